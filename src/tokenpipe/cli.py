@@ -1,0 +1,144 @@
+"""The `tokenpipe` command. Sub-commands import their modules lazily so `--help` is instant."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from tokenpipe import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="tokenpipe")
+def main() -> None:
+    """tokenpipe: a fast, predictable OpenAI-compatible gateway for LLM APIs.
+
+    \b
+    serve   the streaming gateway (HTTP/SSE and gRPC)
+    local   an OpenAI-compatible server over the embedded Gemma 3 270M model
+    sim     a simulated upstream with exact timing and fault injection
+    bench   a load generator with correct LLM latency metrics
+    doctor  explains where one request's latency goes
+    kv      KV-cache memory for a model and workload
+    """
+
+
+def _fail(message: str) -> None:
+    click.echo(f"tokenpipe: {message}", err=True)
+    sys.exit(2)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option("--upstream", "upstreams", multiple=True, metavar="URL",
+              help="Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:9000/v1. "
+                   "Repeat for fallbacks, tried in order. Overrides the config's upstreams.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="YAML config (see docs/config.md).")
+@click.option("--host", default=None, help="Address to listen on.  [default: 127.0.0.1]")
+@click.option("--port", type=int, default=None, help="HTTP port (0: any free port).  [default: 8000]")
+@click.option("--grpc-port", type=int, default=None, help="gRPC port, 0 to turn gRPC off.  [default: 50051]")
+@click.option("--drain-seconds", type=float, default=None,
+              help="How long open streams may finish after SIGTERM.  [default: 30]")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
+          port: int | None, grpc_port: int | None, drain_seconds: float | None,
+          log_level: str) -> None:
+    """Run the gateway: OpenAI-compatible HTTP (and gRPC) in front of one or more upstreams."""
+    from tokenpipe import gateway, serving, settings as settings_mod
+
+    _logging(log_level)
+    try:
+        cfg = settings_mod.load(config_path) if config_path else settings_mod.Settings()
+        if upstreams:
+            cfg.upstreams = [settings_mod.upstream_from_url(u, i) for i, u in enumerate(upstreams)]
+    except settings_mod.ConfigError as e:
+        _fail(str(e))
+        return
+    if host is not None:
+        cfg.server.host = host
+    if port is not None:
+        cfg.server.port = port
+    if grpc_port is not None:
+        cfg.server.grpc_port = grpc_port
+    if drain_seconds is not None:
+        cfg.server.drain_seconds = drain_seconds
+    if not cfg.upstreams:
+        _fail("no upstream: pass --upstream URL, or a --config with upstreams.")
+    serving.run(gateway.run(cfg))
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=9000, show_default=True, help="0: any free port.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seeds the text and the fault dice: same seed and request order, same output.")
+@click.option("--ttft-ms", type=float, default=50.0, show_default=True,
+              help="Time to first content token.")
+@click.option("--itl-ms", type=float, default=5.0, show_default=True,
+              help="Interval between tokens (0: as fast as the socket takes them).")
+@click.option("--tokens-per-chunk", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--output-tokens", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Output length when a request gives no max_tokens.")
+@click.option("--model", "models", multiple=True, help="Model name(s) listed. [default: sim-model]")
+@click.option("--strict-models", is_flag=True, help="Answer 404 for models not listed.")
+@click.option("--rpm", type=float, default=None, help="Enforce a requests-per-minute bucket.")
+@click.option("--tpm", type=float, default=None, help="Enforce a tokens-per-minute bucket.")
+@click.option("--bucket-seconds", type=float, default=60.0, show_default=True,
+              help="Depth of the RPM/TPM buckets, in seconds of refill.")
+@click.option("--fault", "fault_specs", multiple=True, metavar="SPEC@RATE",
+              help="Inject a fault into a share of requests, e.g. stall-first:3000@0.05, "
+                   "status:429@0.01, reset:20@0.02. Kinds: status:CODE, stall-first:MS, "
+                   "stall:AFTER:MS, reset:AFTER, truncate:AFTER, garbage, hang-after-headers.")
+def sim(host: str, port: int, seed: int, ttft_ms: float, itl_ms: float, tokens_per_chunk: int,
+        output_tokens: int, models: tuple[str, ...], strict_models: bool, rpm: float | None,
+        tpm: float | None, bucket_seconds: float, fault_specs: tuple[str, ...]) -> None:
+    """Run a simulated OpenAI-compatible upstream with exact, seeded timing and faults.
+
+    \b
+    Per request, these override the defaults: headers x-sim-ttft-ms, x-sim-itl-ms,
+    x-sim-tokens-per-chunk, x-sim-output-tokens, x-sim-fault; or a directive anywhere
+    in the prompt: [[sim ttft_ms=10 itl_ms=2 output_tokens=50 fault=stall:10:3000]].
+    GET /sim/stats reports counters and per-request records; POST /sim/reset clears them.
+    """
+    from tokenpipe import serving
+    from tokenpipe.engines.sim import faults
+    from tokenpipe.engines.sim.app import Sim, SimConfig, Timing
+
+    try:
+        rated = [faults.parse_rated(s) for s in fault_specs]
+        config = SimConfig(
+            seed=seed,
+            timing=Timing(ttft_ms=ttft_ms, itl_ms=itl_ms, tokens_per_chunk=tokens_per_chunk,
+                          output_tokens=output_tokens),
+            models=list(models) or ["sim-model"],
+            any_model=not strict_models,
+            rpm=rpm, tpm=tpm, bucket_seconds=bucket_seconds, rated_faults=rated,
+        )
+        app = Sim(config).app()
+    except ValueError as e:
+        _fail(str(e))
+        return
+    serving.run(serving.serve(app, host, port, drain_seconds=1.0, name="tokenpipe sim"))
+
+
+def _register_optional() -> None:
+    """Sub-commands that live in their own modules (each adds itself to `main`)."""
+    import importlib
+
+    for module in ("tokenpipe.engines.local.cli", "tokenpipe.bench.cli",
+                   "tokenpipe.doctor.cli", "tokenpipe.context.kv_cli"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if not (e.name and module.startswith(e.name)):
+                raise
+
+
+_register_optional()

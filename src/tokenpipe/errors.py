@@ -1,0 +1,70 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+
+#: status -> OpenAI error type
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class GatewayError(Exception):
+    """An error the client is told about. Never carries secrets or stack traces."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or _TYPES.get(status, "api_error")
+        self.headers = dict(headers or {})
+        if status == 429 or retry_after is not None:
+            # The contract: a 429 always carries Retry-After (whole seconds, rounded up, >= 1).
+            ra = 1.0 if retry_after is None else retry_after
+            self.headers.setdefault("Retry-After", str(max(1, math.ceil(ra))))
+            self.headers.setdefault("retry-after-ms", str(max(1, int(ra * 1000))))
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def json(self) -> bytes:
+        return orjson.dumps(self.body())
+
+
+def error_body(status: int, message: str, code: str | None = None) -> bytes:
+    return GatewayError(status, message, code=code).json()

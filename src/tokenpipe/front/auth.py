@@ -1,0 +1,41 @@
+"""API-key authentication. Keys are stored only as SHA-256 digests and compared in constant time."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from tokenpipe.errors import GatewayError
+from tokenpipe.settings import ApiKey
+
+ANONYMOUS = "anonymous"
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Authenticator:
+    def __init__(self, keys: list[ApiKey]) -> None:
+        self._keys = [(k.name, bytes.fromhex(k.sha256)) for k in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, authorization: str | None) -> str:
+        """Returns the key's name, or raises 401. The presented key never reaches a message."""
+        if not self._keys:
+            return ANONYMOUS
+        if not authorization or not authorization.startswith("Bearer "):
+            raise GatewayError(401, "You didn't provide an API key. Send it as "
+                               "'Authorization: Bearer YOUR_KEY'.", code="missing_api_key")
+        presented = hashlib.sha256(authorization[7:].strip().encode()).digest()
+        found = None
+        # Compare against every digest so the time taken does not say which one matched.
+        for name, want in self._keys:
+            if hmac.compare_digest(presented, want) and found is None:
+                found = name
+        if found is None:
+            raise GatewayError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return found

@@ -1,0 +1,82 @@
+"""Validation of client requests against the parts of the OpenAI schema the gateway relies on.
+
+Only what we read is typed; every other field is left as the client sent it and forwarded
+untouched (the gateway rewrites nothing the client did not ask to change). msgspec checks a
+request in microseconds and names the offending field in its message.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+import orjson
+from msgspec import Meta, Struct
+
+from tokenpipe.errors import GatewayError
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+Probability = Annotated[float, Meta(ge=0, le=1)]
+TokenCount = Annotated[int, Meta(ge=1)]
+
+
+class Message(Struct):
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+
+
+class StreamOptions(Struct):
+    include_usage: bool | None = None
+    #: tokenpipe extension: the rate (tokens/s) the client can render; the relay paces to it.
+    max_tokens_per_second: Annotated[float, Meta(ge=0)] | None = None
+
+
+class ChatRequest(Struct):
+    model: Annotated[str, Meta(min_length=1)]
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(Struct):
+    model: Annotated[str, Meta(min_length=1)]
+    prompt: Prompt
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+
+
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def parse(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]) -> tuple[Any, dict]:
+    """Returns (typed request, the JSON object as sent). Raises a 400 GatewayError."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise GatewayError(400, f"We could not parse the JSON body of your request: {e}",
+                           code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise GatewayError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        return msgspec.convert(obj, kind), obj
+    except msgspec.ValidationError as e:
+        text = str(e)
+        m = _PATH.search(text)
+        param = m.group(1) if m else None
+        message = _PATH.sub("", text) + (f" (at '{param}')" if param else "")
+        raise GatewayError(400, f"Invalid request: {message}", param=param,
+                           code="invalid_request") from None

@@ -1,0 +1,32 @@
+"""Builds and runs the gateway from a Settings object."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from tokenpipe import serving
+from tokenpipe.front import http as front_http
+from tokenpipe.router import Router
+from tokenpipe.settings import Settings
+from tokenpipe.upstream.http import HttpUpstream
+
+
+def build(settings: Settings) -> web.Application:
+    router = Router([HttpUpstream(u) for u in settings.upstreams])
+    return front_http.build_app(settings, router)
+
+
+async def run(settings: Settings) -> None:
+    app = build(settings)
+
+    def draining() -> None:
+        app[front_http.STATE]["draining"] = True
+
+    await serving.serve(
+        app,
+        settings.server.host,
+        settings.server.port,
+        drain_seconds=settings.server.drain_seconds,
+        name="tokenpipe gateway",
+        on_draining=draining,
+    )

@@ -1,0 +1,76 @@
+"""The one metrics registry. Names are prefixed `tokenpipe_`, seconds are the base unit."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# `_created` series double the exposition size and no dashboard of ours reads them.
+disable_created_metrics()
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# Bucket edges in seconds. TTFT spans a loopback sim (ms) to a loaded provider (tens of s);
+# inter-token gaps live between sub-millisecond and a few hundred ms, with stalls beyond.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
+
+LABELS = ("upstream", "model")
+
+TTFT = Histogram(
+    "tokenpipe_ttft_seconds",
+    "Time from request arrival to the first content token sent to the client.",
+    LABELS,
+    buckets=_TTFT_BUCKETS,
+    registry=REGISTRY,
+)
+ITL = Histogram(
+    "tokenpipe_itl_seconds",
+    "Gap between consecutive content chunks sent to the client (per chunk).",
+    LABELS,
+    buckets=_ITL_BUCKETS,
+    registry=REGISTRY,
+)
+TPOT = Histogram(
+    "tokenpipe_tpot_seconds",
+    "Time per output token after the first: (end - first token) / (completion tokens - 1).",
+    LABELS,
+    buckets=_ITL_BUCKETS,
+    registry=REGISTRY,
+)
+REQUEST_DURATION = Histogram(
+    "tokenpipe_request_duration_seconds",
+    "Time from request arrival to the end of the response.",
+    LABELS,
+    buckets=_DURATION_BUCKETS,
+    registry=REGISTRY,
+)
+REQUESTS = Counter(
+    "tokenpipe_requests",
+    "Requests answered, by HTTP status (499: the client went away).",
+    ("status", *LABELS),
+    registry=REGISTRY,
+)
+TOKENS = Counter(
+    "tokenpipe_tokens",
+    "Tokens, by kind (prompt or completion), as reported by the upstream's usage.",
+    ("kind", *LABELS),
+    registry=REGISTRY,
+)
+INFLIGHT = Gauge(
+    "tokenpipe_inflight_requests",
+    "Requests being served right now.",
+    LABELS,
+    registry=REGISTRY,
+)
+
+
+def render() -> bytes:
+    return generate_latest(REGISTRY)

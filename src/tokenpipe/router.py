@@ -1,0 +1,51 @@
+"""Picks the upstream for a request and opens the upstream call.
+
+Upstreams that serve the model are tried in config order; one that cannot be reached before
+any response is passed over for the next (the simplest fallback; budgets and hedging build
+on this in the tail-latency layer).
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from tokenpipe.errors import GatewayError
+from tokenpipe.upstream.http import HttpUpstream
+
+
+class Router:
+    def __init__(self, upstreams: list[HttpUpstream]) -> None:
+        self.upstreams = upstreams
+
+    async def candidates(self, model: str) -> list[HttpUpstream]:
+        found = [u for u in self.upstreams if await u.serves(model)]
+        if not found:
+            raise GatewayError(
+                404,
+                f"The model `{model}` does not exist or you do not have access to it.",
+                code="model_not_found",
+                param="model",
+            )
+        return found
+
+    async def open(
+        self, model: str, path: str, body: bytes, request_id: str
+    ) -> tuple[HttpUpstream, aiohttp.ClientResponse]:
+        last: GatewayError | None = None
+        for upstream in await self.candidates(model):
+            try:
+                return upstream, await upstream.post(path, body, request_id)
+            except GatewayError as e:
+                last = e
+        assert last is not None
+        raise last
+
+    async def models(self) -> list[str]:
+        names: set[str] = set()
+        for u in self.upstreams:
+            names.update(await u.models())
+        return sorted(names)
+
+    async def close(self) -> None:
+        for u in self.upstreams:
+            await u.close()

@@ -1,0 +1,90 @@
+"""Runs an aiohttp application with uvloop, handler cancellation and a graceful drain.
+
+Handler cancellation is on: when a client disconnects, its handler task is cancelled at once,
+which closes the upstream connection (capacity is the scarcest thing a gateway holds).
+On SIGTERM or SIGINT: stop accepting, report not-ready, let open requests finish for up to
+`drain_seconds`, then cancel what is left and exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+Hook = Callable[[], Awaitable[None]]
+
+
+def install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on every POSIX platform
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    drain_seconds: float = 30.0,
+    name: str = "tokenpipe",
+    on_draining: Callable[[], None] | None = None,
+    extra_start: Hook | None = None,
+    extra_stop: Hook | None = None,
+    sock: socket.socket | None = None,
+) -> None:
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=drain_seconds,
+        access_log=None,
+        handle_signals=False,
+        # Idle keep-alive connections are closed after this long (seconds).
+        keepalive_timeout=75,
+    )
+    await runner.setup()
+    site: web.BaseSite
+    if sock is not None:
+        site = web.SockSite(runner, sock)
+    else:
+        site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)
+    await site.start()
+    if extra_start is not None:
+        await extra_start()
+    bound = _bound_port(runner) or port
+    print(f"{name} listening on http://{host}:{bound}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        print(f"{name} draining (up to {drain_seconds:g} s)", file=sys.stderr, flush=True)
+        if on_draining is not None:
+            on_draining()
+        if extra_stop is not None:
+            await extra_stop()
+        await runner.cleanup()
+
+
+def _bound_port(runner: web.AppRunner) -> int | None:
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return int(addr[1])
+    return None
+
+
+def run(main: Awaitable[None]) -> None:
+    install_uvloop()
+    try:
+        asyncio.run(main)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        pass

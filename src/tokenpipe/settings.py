@@ -1,0 +1,109 @@
+"""The one settings object, read from one YAML file. Every key is documented in docs/config.md.
+
+msgspec decodes the YAML into typed structs, so a bad config fails at start with an exact path
+(`Expected int, got str - at $.server.port`) instead of misbehaving later.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+PositiveFloat = Annotated[float, Meta(gt=0)]
+PositiveInt = Annotated[int, Meta(gt=0)]
+Port = Annotated[int, Meta(ge=0, le=65535)]
+
+
+class ServerSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    #: gRPC front; 0 turns it off.
+    grpc_port: Port = 50051
+    #: Request bodies larger than this get 413 (bytes).
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    #: On SIGTERM, open streams may finish for this long before the process exits (seconds).
+    drain_seconds: Annotated[float, Meta(ge=0)] = 30.0
+    #: A client must send its request headers and body within this time (seconds).
+    read_timeout_seconds: PositiveFloat = 30.0
+
+
+class ApiKey(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    #: Hex SHA-256 digest of the key. The key itself is never stored.
+    sha256: Annotated[str, Meta(pattern="^[0-9a-fA-F]{64}$")]
+
+
+class AuthSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    api_keys: list[ApiKey] = msgspec.field(default_factory=list)
+
+
+class UpstreamSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    #: Base URL of an OpenAI-compatible API, with its version path (`http://host:port/v1`).
+    url: Annotated[str, Meta(pattern="^https?://")]
+    #: Name of the environment variable that holds this upstream's API key (never the key itself).
+    api_key_env: str | None = None
+    #: Models this upstream serves; "*" forwards any model (the upstream's /v1/models is asked).
+    models: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    connect_timeout_seconds: PositiveFloat = 5.0
+    #: Longest silence on an open upstream response before it is treated as failed (seconds).
+    read_timeout_seconds: PositiveFloat = 300.0
+    #: Bound on pooled connections to this upstream; requests over it wait for a free one.
+    max_connections: PositiveInt = 1024
+    #: Ask for `usage` on streams (stream_options.include_usage) so token metrics are exact;
+    #: the usage chunk is removed again for clients that did not ask for it.
+    request_usage: bool = True
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
+    server: ServerSettings = msgspec.field(default_factory=ServerSettings)
+    auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
+    upstreams: list[UpstreamSettings] = msgspec.field(default_factory=list)
+
+
+class ConfigError(Exception):
+    pass
+
+
+def load(path: str | Path) -> Settings:
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    try:
+        settings = msgspec.yaml.decode(raw, type=Settings)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    check(settings)
+    return settings
+
+
+def check(settings: Settings) -> None:
+    """Cross-field rules that types alone cannot say."""
+    names = [u.name for u in settings.upstreams]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"upstream names must be unique: {', '.join(dupes)}")
+
+
+def upstream_from_url(url: str, index: int) -> UpstreamSettings:
+    """`serve --upstream URL`: a base URL with or without `/v1`."""
+    try:
+        return msgspec.convert({"name": f"upstream{index}", "url": normalise_base_url(url)},
+                               UpstreamSettings)
+    except msgspec.ValidationError:
+        raise ConfigError(f"--upstream must be an http(s) URL, got {url!r}") from None
+
+
+def normalise_base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"

@@ -1,0 +1,133 @@
+"""An OpenAI-compatible HTTP upstream: one pooled aiohttp session per upstream.
+
+Only the configuration chooses where a request goes and which headers it carries: no client
+header, URL or key is forwarded (except the request id, which the gateway itself vetted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import orjson
+
+from tokenpipe.errors import GatewayError
+from tokenpipe.settings import UpstreamSettings
+
+log = logging.getLogger("tokenpipe.upstream")
+
+#: Largest non-streamed upstream body read into memory (bytes); larger ones are a 502.
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+#: How long a list of the upstream's models is trusted before it is asked again (seconds).
+MODELS_TTL = 60.0
+
+
+class HttpUpstream:
+    def __init__(self, settings: UpstreamSettings) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.base_url = settings.url.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+        self._headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        key = settings.api_key()
+        if key:
+            self._headers["authorization"] = f"Bearer {key}"
+        self._models: list[str] | None = None
+        self._models_at = 0.0
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self.settings.max_connections,
+                ttl_dns_cache=300,
+                keepalive_timeout=30,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    connect=self.settings.connect_timeout_seconds,
+                    sock_read=self.settings.read_timeout_seconds,
+                ),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent",),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def post(self, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
+        """Sends a request and returns once the response headers arrived.
+
+        Raises GatewayError 502 when the upstream cannot be reached, 504 when it does not answer
+        in time. The caller owns the response and must close or release it.
+        """
+        headers = dict(self._headers)
+        headers["x-request-id"] = request_id
+        try:
+            return await self.session.post(
+                self.base_url + path, data=body, headers=headers, allow_redirects=False
+            )
+        except asyncio.TimeoutError:
+            raise GatewayError(504, f"Upstream '{self.name}' did not answer in time.",
+                               code="upstream_timeout") from None
+        except aiohttp.ClientError as e:
+            raise GatewayError(502, f"Upstream '{self.name}' is unreachable ({type(e).__name__}).",
+                               code="upstream_unavailable") from None
+
+    async def serves(self, model: str) -> bool:
+        models = self.settings.models
+        if model in models:
+            return True
+        if "*" not in models:
+            return False
+        known = await self.listed_models()
+        return known is None or model in known
+
+    async def models(self) -> list[str]:
+        """The models this upstream serves: configured names and its own /v1/models list."""
+        configured = [m for m in self.settings.models if m != "*"]
+        listed = await self.listed_models() if "*" in self.settings.models else None
+        return sorted(set(configured) | set(listed or ()))
+
+    async def listed_models(self) -> list[str] | None:
+        """The upstream's own /v1/models, cached for MODELS_TTL; None when it cannot say."""
+        now = time.monotonic()
+        if self._models is not None and now - self._models_at < MODELS_TTL:
+            return self._models
+        try:
+            async with self.session.get(
+                self.base_url + "/models",
+                headers={k: v for k, v in self._headers.items() if k != "accept"},
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                data = orjson.loads(await resp.read())
+            self._models = [m["id"] for m in data["data"]]
+            self._models_at = now
+        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError,
+                KeyError, TypeError):
+            log.warning("upstream %s: could not list its models", self.name)
+            return None
+        return self._models
+
+
+async def read_bounded(resp: aiohttp.ClientResponse, limit: int = MAX_RESPONSE_BYTES) -> bytes:
+    if resp.content_length is not None and resp.content_length > limit:
+        raise GatewayError(502, "Upstream response too large.", code="upstream_response_too_large")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(502, "Upstream response too large.",
+                               code="upstream_response_too_large")
+        parts.append(chunk)
+    return b"".join(parts)

@@ -1,0 +1,90 @@
+"""Real processes for tests: start a tokenpipe command on a free port and wait until it listens."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+_LISTEN = re.compile(rb"listening on (http://[\d.]+:(\d+))")
+LOG_DIR = Path(os.environ.get("TOKENPIPE_TEST_LOGS", Path(__file__).parent.parent / ".cache/test-logs"))
+
+
+class Service:
+    """A `tokenpipe ...` child process. Its output is kept (bounded) and saved to LOG_DIR."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
+                 name: str | None = None) -> None:
+        self.args = [sys.executable, "-m", "tokenpipe", *args]
+        self.name = name or args[0]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=full_env)
+        self.lines: deque[bytes] = deque(maxlen=5000)
+        self.url = ""
+        self.port = 0
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if not ready.is_set():
+                    m = _LISTEN.search(line)
+                    if m:
+                        self.url = m.group(1).decode()
+                        self.port = int(m.group(2))
+                        ready.set()
+            ready.set()
+
+        self._thread = threading.Thread(target=pump, daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout) or not self.url:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not start:\n{self.output()}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        return b"".join(self.lines).decode(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._thread.join(2)
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        (LOG_DIR / f"{self.name}-{self.proc.pid}-{int(time.time())}.log").write_text(self.output())
+
+    def __enter__(self) -> Service:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def sim(*args: str, **kw: object) -> Service:
+    return Service("sim", "--port", "0", *args, name="sim", **kw)  # type: ignore[arg-type]
+
+
+def gateway(*args: str, **kw: object) -> Service:
+    return Service("serve", "--port", "0", "--grpc-port", "0", *args, name="gateway",
+                   **kw)  # type: ignore[arg-type]
