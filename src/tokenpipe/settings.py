@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -62,10 +62,54 @@ class UpstreamSettings(Struct, forbid_unknown_fields=True, kw_only=True):
         return os.environ.get(self.api_key_env) if self.api_key_env else None
 
 
+class ContextModel(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Context budgeting for one model (docs/context.md)."""
+
+    #: The model name as clients send it.
+    name: str
+    #: Context window: prompt plus output (tokens). Unset: from `gguf`, the upstream's
+    #: /v1/models, or the built-in table; a model whose window is unknown is never budgeted.
+    window: PositiveInt | None = None
+    #: History compression for this model: off, truncate or summarize (default: context.policy).
+    policy: Literal["off", "truncate", "summarize"] | None = None
+    #: How prompt tokens are counted: auto, estimate, tiktoken:ENCODING or gguf:PATH.
+    tokenizer: str = "auto"
+    #: A GGUF file whose metadata gives the window and whose vocabulary counts tokens exactly
+    #: ("local": the packaged Gemma 3 270M of the `local` extra).
+    gguf: str | None = None
+
+
+class ContextSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Keeps requests inside the model's context window (docs/context.md)."""
+
+    #: What to do with history that would not fit: off, truncate or summarize. Applied only to
+    #: a request that would not fit; a request that fits is never altered.
+    policy: Literal["off", "truncate", "summarize"] = "truncate"
+    #: Tokens kept free between prompt + max_tokens and the window (counting error, template).
+    margin_tokens: Annotated[int, Meta(ge=0)] = 16
+    #: Extra share of the prompt kept free while tokens are estimated rather than counted.
+    estimate_margin: Annotated[float, Meta(ge=0, le=1)] = 0.05
+    #: Output room assumed for a request without max_tokens (tokens).
+    reserve_output_tokens: PositiveInt = 512
+    #: max_tokens is lowered to what fits only while at least this many (or the client's own
+    #: max_tokens, if smaller) remain; below it the history is compressed instead.
+    min_output_tokens: PositiveInt = 64
+    #: Model that writes summaries (default: the request's own model).
+    summarizer_model: str | None = None
+    #: A summary that takes longer than this falls back to truncation (seconds).
+    summary_deadline_seconds: PositiveFloat = 10.0
+    #: Longest summary asked for (tokens).
+    summary_max_tokens: PositiveInt = 256
+    #: Summaries kept, by hash of the history they summarise (least recently used dropped).
+    summary_cache_entries: PositiveInt = 1024
+    models: list[ContextModel] = msgspec.field(default_factory=list)
+
+
 class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
     upstreams: list[UpstreamSettings] = msgspec.field(default_factory=list)
+    context: ContextSettings = msgspec.field(default_factory=ContextSettings)
 
 
 class ConfigError(Exception):
