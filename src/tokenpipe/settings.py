@@ -105,10 +105,67 @@ class ContextSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     models: list[ContextModel] = msgspec.field(default_factory=list)
 
 
+class RedisSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    url: str = "redis://127.0.0.1:6379/0"
+    #: Prefix of every key tokenpipe writes, so several gateways can share one Redis.
+    key_prefix: str = "tokenpipe"
+    #: A limiter decision that Redis has not answered within this time falls back to the
+    #: local share of the limit (seconds).
+    timeout_seconds: PositiveFloat = 0.1
+
+
+class UpstreamLimits(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Known limits of one upstream; its response headers correct them as they arrive."""
+
+    rpm: PositiveFloat | None = None
+    tpm: PositiveFloat | None = None
+    #: Depth of the buckets in seconds of refill (providers' buckets refill over a minute).
+    bucket_seconds: PositiveFloat = 60.0
+    #: Upper bound of the (adaptive) concurrency limit for this upstream.
+    max_concurrency: PositiveInt | None = None
+
+
+class LimitsSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    #: Where buckets live: this process (`memory`) or shared by all replicas (`redis`).
+    backend: Literal["memory", "redis"] = "memory"
+    redis: RedisSettings = msgspec.field(default_factory=RedisSettings)
+    #: Longest a request waits for upstream capacity before it gets 429 (seconds).
+    queue_deadline_seconds: PositiveFloat = 30.0
+    #: Bound on requests waiting per upstream; the next one gets 429 at once.
+    max_waiting: PositiveInt = 10_000
+    #: Learn rate limits from the upstreams' x-ratelimit-* / anthropic-ratelimit-* headers.
+    learn_from_headers: bool = True
+    #: AIMD concurrency limit per upstream (shrinks on 429/503/504, grows with demand).
+    adaptive_concurrency: bool = True
+    initial_concurrency: PositiveInt = 32
+    max_concurrency: PositiveInt = 1024
+    #: Output tokens reserved for a request that sets no max_tokens (corrected from usage).
+    default_output_tokens: PositiveInt = 256
+    #: Gateway processes sharing this config (set by `serve --workers`); with the memory
+    #: backend each process enforces 1/workers of every limit.
+    workers: PositiveInt = 1
+    #: Configured limits by upstream name (optional; headers are learned either way).
+    upstreams: dict[str, UpstreamLimits] = msgspec.field(default_factory=dict)
+
+
+class KeyQuota(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Per API key budget; a key over it gets 429 with Retry-After at once."""
+
+    rpm: PositiveFloat | None = None
+    tpm: PositiveFloat | None = None
+    max_concurrency: PositiveInt | None = None
+    #: Depth of the key's buckets in seconds of refill.
+    bucket_seconds: PositiveFloat = 60.0
+
+
 class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
     upstreams: list[UpstreamSettings] = msgspec.field(default_factory=list)
+    limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
+    #: Quotas by API key name (`auth.api_keys[].name`, or `anonymous` without auth);
+    #: the entry "*" applies to every key that has none of its own.
+    keys: dict[str, KeyQuota] = msgspec.field(default_factory=dict)
     context: ContextSettings = msgspec.field(default_factory=ContextSettings)
 
 

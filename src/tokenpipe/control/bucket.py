@@ -10,12 +10,18 @@ class TokenBucket:
 
     `take(n)` either takes n units and returns 0.0, or takes nothing and returns how many
     seconds until n units will be there (inf if n exceeds the capacity).
+
+    The limiter also uses it as a GCRA-style reservation: `reserve(n)` admits a request as
+    soon as min(n, capacity) units are there and takes all n, so the level may go negative
+    (debt) and a request larger than the bucket still runs once, paid for by the wait of
+    the next ones. `give(n)` corrects a reservation afterwards (n < 0 charges more).
     """
 
     __slots__ = ("_level", "_updated", "capacity", "clock", "rate")
 
-    def __init__(self, rate: float, capacity: float, clock: Clock = MONOTONIC,
-                 level: float | None = None) -> None:
+    def __init__(
+        self, rate: float, capacity: float, clock: Clock = MONOTONIC, level: float | None = None
+    ) -> None:
         self.rate = rate
         self.capacity = capacity
         self.clock = clock
@@ -24,7 +30,8 @@ class TokenBucket:
 
     def _refill(self) -> float:
         now = self.clock.now()
-        self._level = min(self.capacity, self._level + (now - self._updated) * self.rate)
+        if self._level < self.capacity:
+            self._level = min(self.capacity, self._level + (now - self._updated) * self.rate)
         self._updated = now
         return self._level
 
@@ -44,3 +51,36 @@ class TokenBucket:
     def seconds_until_full(self) -> float:
         level = self._refill()
         return 0.0 if self.rate <= 0 else (self.capacity - level) / self.rate
+
+    # -- reservations (limiter) ----------------------------------------------------------
+
+    def wait_for(self, n: float) -> float:
+        """Seconds until a reservation of n units would be admitted (0: now). Takes nothing."""
+        need = min(n, self.capacity)
+        level = self._refill()
+        if need <= level:
+            return 0.0
+        return float("inf") if self.rate <= 0 else (need - level) / self.rate
+
+    def reserve(self, n: float) -> float:
+        """Like take(), but admits at min(n, capacity) and may leave the level negative."""
+        wait = self.wait_for(n)
+        if wait == 0.0:
+            self._level -= n
+        return wait
+
+    def give(self, n: float) -> None:
+        """Returns n units (a reservation that cost less than reserved); n < 0 charges more."""
+        self._level = min(self.capacity, self._refill() + n)
+
+    def set_level(self, level: float) -> None:
+        """What the upstream says is left (from its headers) replaces our own count."""
+        self._refill()
+        self._level = min(self.capacity, level)
+
+    def configure(self, rate: float, capacity: float) -> None:
+        """New refill rate and depth, learned or configured; the level is kept (clipped)."""
+        self._refill()
+        self.rate = rate
+        self.capacity = capacity
+        self._level = min(self._level, capacity)

@@ -72,5 +72,50 @@ INFLIGHT = Gauge(
 )
 
 
+# -- rate limiting and concurrency (control/, admission) ------------------------------------
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
+
+LIMITER_WAIT = Histogram(
+    "tokenpipe_limiter_wait_seconds",
+    "Time a request waited for upstream capacity (rate buckets and concurrency).",
+    ("upstream",),
+    buckets=_WAIT_BUCKETS,
+    registry=REGISTRY,
+)
+UPSTREAM_429 = Counter(
+    "tokenpipe_upstream_429",
+    "Upstream answers with status 429 (rate limited).",
+    ("upstream",),
+    registry=REGISTRY,
+)
+CONCURRENCY_LIMIT = Gauge(
+    "tokenpipe_concurrency_limit",
+    "Current adaptive concurrency limit per upstream (requests in flight, this process).",
+    ("upstream",),
+    registry=REGISTRY,
+)
+RATELIMIT_REMAINING = Gauge(
+    "tokenpipe_ratelimit_remaining",
+    "What the upstream last said is left in its rate-limit bucket, by kind (requests, tokens).",
+    ("upstream", "kind"),
+    registry=REGISTRY,
+)
+LIMITS_FALLBACK = Gauge(
+    "tokenpipe_limits_redis_fallback",
+    "1 while Redis is unreachable and this process enforces a local share of each limit.",
+    registry=REGISTRY,
+)
+ADMISSION_REJECTED = Counter(
+    "tokenpipe_admission_rejected",
+    "Requests rejected with 429 because their API key was over a quota, by reason.",
+    ("reason",),
+    registry=REGISTRY,
+)
+
+
+def render() -> bytes:
+    return generate_latest(REGISTRY)
+
+
 def render() -> bytes:
     return generate_latest(REGISTRY)

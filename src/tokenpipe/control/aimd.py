@@ -1,0 +1,53 @@
+"""Adaptive concurrency: additive increase, multiplicative decrease (AIMD).
+
+Why AIMD and not a latency gradient (Gradient2, Envoy's adaptive concurrency): an LLM
+request's latency is set mostly by its prompt and output length, which vary tenfold between
+requests, and a provider queues out of sight, so a TTFT gradient mistakes long prompts for
+overload. The signals that do mean "too much" are explicit: 429, 503 and timeouts. AIMD
+reacts to exactly those and is stable with many independent clients (TCP's argument).
+
+Rule, per finished request: a drop (429/503/timeout) multiplies the limit by `backoff`, at
+most once per `cooldown` seconds so one burst of 429s from requests sent together counts
+as one signal; a success while at least half the limit was in use adds 1 (as in Netflix's
+AIMD), so the limit follows demand up within about one round of requests.
+"""
+
+from __future__ import annotations
+
+from tokenpipe.clock import MONOTONIC, Clock
+
+
+class AIMDLimit:
+    __slots__ = ("_last_drop", "backoff", "clock", "cooldown", "limit", "maximum", "minimum")
+
+    def __init__(
+        self,
+        initial: float = 32,
+        *,
+        minimum: float = 1,
+        maximum: float = 1024,
+        backoff: float = 0.9,
+        cooldown: float = 1.0,
+        clock: Clock = MONOTONIC,
+    ) -> None:
+        self.limit = float(initial)  # requests in flight
+        self.minimum = float(minimum)
+        self.maximum = float(maximum)
+        self.backoff = backoff  # share kept on a drop
+        self.cooldown = cooldown  # seconds between two decreases
+        self.clock = clock
+        self._last_drop = -float("inf")
+
+    def sample(self, inflight: int, dropped: bool) -> float:
+        """Records one finished request (`inflight`: how many were in flight at its start)."""
+        if dropped:
+            now = self.clock.now()
+            if now - self._last_drop >= self.cooldown:
+                self._last_drop = now
+                self.limit = max(self.minimum, self.limit * self.backoff)
+        elif inflight * 2 >= self.limit:
+            self.limit = min(self.maximum, self.limit + 1.0)
+        return self.limit
+
+    def allows(self, inflight: int) -> bool:
+        return inflight < int(self.limit)

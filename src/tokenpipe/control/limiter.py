@@ -1,0 +1,313 @@
+"""The gate in front of one upstream: waits, fairly across API keys, for capacity.
+
+Capacity is three things at once: the request bucket, the token bucket (both learned from
+the upstream's headers, or configured, and kept in a `Store`), and an adaptive concurrency
+limit (`AIMDLimit`, this process only). A request takes a `Permit` when all three allow it.
+
+Fairness: waiters queue per API key (FIFO within a key) and the keys take turns, so a key
+that sends a thousand requests delays another key's next request by at most one turn.
+One dispatcher task, owned by the limiter, serves the queue; it exists only while someone
+waits. Bounds: at most `max_waiting` waiters (the next one gets 429 at once) and each waits
+at most its deadline (then 429 with Retry-After and x-ratelimit-* headers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.control import ratelimit_headers
+from tokenpipe.control.aimd import AIMDLimit
+from tokenpipe.control.ratelimit_headers import Reading, go_duration
+from tokenpipe.control.store import Decision, Limits, Spec, Store
+from tokenpipe.errors import GatewayError
+from tokenpipe.observe import metrics
+
+log = logging.getLogger("tokenpipe.limiter")
+
+#: Statuses that mean "send less": they shrink the concurrency limit.
+DROP_STATUSES = frozenset({429, 503, 504})
+#: Pause after a 429 that named no retry time (seconds).
+DEFAULT_RETRY = 1.0
+#: Longest the dispatcher sleeps before looking again (seconds): news from headers or a
+#: released permit wake it sooner.
+MAX_NAP = 0.25
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+@dataclass(eq=False, slots=True)
+class Permit:
+    limiter: Limiter
+    key: str
+    tokens: float  # reserved
+    decision: Decision
+    inflight_at_start: int
+    granted_at: float  # clock seconds
+    released: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    key: str
+    tokens: float
+    future: asyncio.Future[Permit] = field(repr=False)
+
+
+class Limiter:
+    def __init__(
+        self,
+        name: str,
+        store: Store,
+        *,
+        configured: Limits | None = None,
+        learn: bool = True,
+        concurrency: AIMDLimit | None = None,
+        clock: Clock = MONOTONIC,
+        max_waiting: int = 10_000,
+        sleep: Sleep | None = None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.scope = f"up:{name}"
+        self.store = store
+        self.limits = configured or Limits()
+        self.learn_enabled = learn
+        self.concurrency = concurrency
+        self.clock = clock
+        self.max_waiting = max_waiting
+        self.wall = wall
+        self.inflight = 0
+        self._sleep = sleep or self._nap
+        self._wake = asyncio.Event()
+        self._queues: dict[str, deque[_Waiter]] = {}
+        self._turns: deque[str] = deque()  # keys with waiters, in the order they are served
+        self._waiting = 0
+        self._task: asyncio.Task[None] | None = None
+        self._last: Decision | None = None
+        self._m_wait = metrics.LIMITER_WAIT.labels(name)
+        self._m_429 = metrics.UPSTREAM_429.labels(name)
+        self._m_conc = metrics.CONCURRENCY_LIMIT.labels(name)
+        if concurrency is not None:
+            self._m_conc.set(concurrency.limit)
+
+    # -- acquiring -------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def _concurrency_ok(self) -> bool:
+        return self.concurrency is None or self.concurrency.allows(self.inflight)
+
+    def _grant(self, key: str, tokens: float, d: Decision) -> Permit:
+        self.inflight += 1
+        return Permit(self, key, tokens, d, self.inflight, self.clock.now())
+
+    async def acquire(self, key: str, tokens: float, deadline: float) -> Permit:
+        """Waits up to `deadline` seconds for capacity; past it raises a 429 GatewayError."""
+        start = self.clock.now()
+        if not self._waiting and self._concurrency_ok():
+            d = await self.store.reserve(self.scope, self.limits, tokens)
+            self._last = d
+            if d.wait == 0.0 and self._concurrency_ok():
+                self._m_wait.observe(0.0)
+                return self._grant(key, tokens, d)
+            if d.wait == 0.0:  # lost the concurrency race while asking the store
+                self.store.give(self.scope, self.limits, 1.0, tokens)
+        if self._waiting >= self.max_waiting:
+            raise self._too_busy(f"{self._waiting} requests are already waiting")
+        waiter = _Waiter(key, tokens, asyncio.get_running_loop().create_future())
+        self._enqueue(waiter)
+        try:
+            permit = await asyncio.wait_for(asyncio.shield(waiter.future), deadline)
+        except asyncio.TimeoutError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                permit = waiter.future.result()  # granted as the deadline struck: keep it
+            else:
+                waiter.future.cancel()
+                raise self._too_busy(f"no capacity within {deadline:g} s") from None
+        except BaseException:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.release(waiter.future.result(), status=None, sent=False)
+            else:
+                waiter.future.cancel()
+            raise
+        self._m_wait.observe(self.clock.now() - start)
+        return permit
+
+    def _enqueue(self, w: _Waiter) -> None:
+        q = self._queues.get(w.key)
+        if q is None:
+            q = self._queues[w.key] = deque()
+            self._turns.append(w.key)
+        q.append(w)
+        self._waiting += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._dispatch())
+
+    def _next(self) -> _Waiter | None:
+        """The head waiter of the key whose turn it is (dropping ones that gave up)."""
+        while self._turns:
+            key = self._turns[0]
+            q = self._queues[key]
+            while q and q[0].future.done():
+                q.popleft()
+                self._waiting -= 1
+            if q:
+                return q[0]
+            self._turns.popleft()
+            del self._queues[key]
+        return None
+
+    def _served(self, w: _Waiter) -> None:
+        """Removes `w` and passes the turn to the next key."""
+        key = self._turns.popleft()
+        q = self._queues[key]
+        q.popleft()
+        self._waiting -= 1
+        if q:
+            self._turns.append(key)
+        else:
+            del self._queues[key]
+
+    async def _dispatch(self) -> None:
+        while True:
+            self._wake.clear()  # before looking, so news that comes while we nap wakes us
+            w = self._next()
+            if w is None:
+                return
+            if not self._concurrency_ok():
+                await self._sleep(MAX_NAP)
+                continue
+            d = await self.store.reserve(self.scope, self.limits, w.tokens)
+            self._last = d
+            if d.wait > 0.0:
+                await self._sleep(min(d.wait, MAX_NAP))
+                continue
+            if w.future.done():  # gave up while the store answered: undo the reservation
+                self.store.give(self.scope, self.limits, 1.0, w.tokens)
+                continue
+            self._served(w)
+            w.future.set_result(self._grant(w.key, w.tokens, d))
+
+    async def _nap(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    # -- learning and releasing ------------------------------------------------------------
+
+    async def observe(self, permit: Permit, status: int, headers: Mapping[str, str]) -> None:
+        """The upstream answered `permit`'s request: learn its limits and any pause."""
+        info = ratelimit_headers.parse(headers, self.wall()) if self.learn_enabled else None
+        if info:
+            self.limits = Limits(
+                _learned(self.limits.requests, info.requests),
+                _learned(self.limits.tokens, info.tokens),
+            )
+            rem_r = info.requests.remaining if info.requests else None
+            rem_t = info.tokens.remaining if info.tokens else None
+            if rem_r is not None:
+                metrics.RATELIMIT_REMAINING.labels(self.name, "requests").set(rem_r)
+            if rem_t is not None:
+                metrics.RATELIMIT_REMAINING.labels(self.name, "tokens").set(rem_t)
+            if rem_r is not None or rem_t is not None:
+                await self.store.learn(self.scope, self.limits, rem_r, rem_t, permit.decision)
+        if status == 429:
+            self._m_429.inc()
+            retry = info.retry_after if info and info.retry_after is not None else DEFAULT_RETRY
+            log.info("upstream %s answered 429: pausing it for %.3g s", self.name, retry)
+            await self.store.pause(self.scope, retry)
+        self._wake.set()
+
+    def release(
+        self,
+        permit: Permit,
+        status: int | None,
+        sent: bool = True,
+        charged_tokens: float | None = None,
+    ) -> None:
+        """The request ended. `sent=False`: it never reached the upstream (all is returned);
+        `charged_tokens`: what the upstream counted, which corrects the reservation."""
+        if permit.released:
+            return
+        permit.released = True
+        self.inflight -= 1
+        if not sent:
+            self.store.give(self.scope, self.limits, 1.0, permit.tokens)
+        elif charged_tokens is not None and charged_tokens != permit.tokens:
+            self.store.give(self.scope, self.limits, 0.0, permit.tokens - charged_tokens)
+        if self.concurrency is not None and status is not None:
+            self.concurrency.sample(permit.inflight_at_start, status in DROP_STATUSES)
+            self._m_conc.set(self.concurrency.limit)
+        self._wake.set()
+
+    # -- the 429 we send when waiting would take too long ----------------------------------
+
+    def _too_busy(self, why: str) -> GatewayError:
+        headers = rate_headers(self.limits, self._last)
+        retry = DEFAULT_RETRY
+        if self.limits.requests is not None and self.limits.requests.rate > 0:
+            retry = max(retry, (self._waiting + 1) / self.limits.requests.rate)
+        return GatewayError(
+            429,
+            f"Upstream '{self.name}' is at its rate limit ({why}). Please retry after "
+            f"{math.ceil(retry)} s.",
+            code="rate_limit_exceeded",
+            headers=headers,
+            retry_after=retry,
+        )
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for q in self._queues.values():
+            for w in q:
+                w.future.cancel()
+        self._queues.clear()
+        self._turns.clear()
+        self._waiting = 0
+
+
+def _learned(old: Spec | None, reading: Reading | None) -> Spec | None:
+    """Headers correct the configured (or earlier learned) bucket."""
+    if reading is None or reading.rate is None:
+        return old
+    rate = reading.rate
+    depth = reading.capacity()
+    if depth is None:
+        depth = old.capacity if old is not None else rate * ratelimit_headers.WINDOW
+    if old is not None and math.isclose(old.rate, rate):
+        # Same limit: the deepest estimate so far is the closest (estimates only undershoot).
+        depth = max(depth, old.capacity)
+    return Spec(rate, max(1.0, depth))
+
+
+def rate_headers(limits: Limits, d: Decision | None) -> dict[str, str]:
+    """OpenAI-style `x-ratelimit-*` headers describing `limits` as of decision `d`."""
+    out: dict[str, str] = {}
+    for kind, spec, level in (
+        ("requests", limits.requests, d.remaining_requests if d else None),
+        ("tokens", limits.tokens, d.remaining_tokens if d else None),
+    ):
+        if spec is None:
+            continue
+        left = spec.capacity if level is None else max(0.0, level)
+        out[f"x-ratelimit-limit-{kind}"] = str(int(spec.rate * ratelimit_headers.WINDOW))
+        out[f"x-ratelimit-remaining-{kind}"] = str(int(left))
+        reset = (spec.capacity - left) / spec.rate if spec.rate > 0 else 0.0
+        out[f"x-ratelimit-reset-{kind}"] = go_duration(max(0.0, reset))
+    return out
