@@ -1,0 +1,513 @@
+"""`tokenpipe bench`: the load generator's command line."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+
+from tokenpipe.cli import main
+
+
+def _floats(text: str | None) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()] if text else []
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+class _Live:
+    """Live figures for the progress bar. Bound: the last 256 TTFTs."""
+
+    def __init__(self) -> None:
+        self.ttfts: deque[float] = deque(maxlen=256)
+        self.tokens = 0
+        self.failed = 0
+        self.started = time.perf_counter()
+
+    def on_record(self, rec: Any) -> None:
+        if rec.ok:
+            if rec.ttft is not None:
+                self.ttfts.append(rec.ttft)
+            self.tokens += rec.output_tokens
+        else:
+            self.failed += 1
+
+    def text(self) -> str:
+        t = sorted(self.ttfts)
+        p50 = f"{t[len(t) // 2] * 1000:.1f} ms" if t else "-"
+        rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
+        return f"TTFT p50 {p50}  {rate:,.0f} tok/s  failed {self.failed}"
+
+
+@main.command("bench")
+@click.argument("url", required=False)
+@click.option("--model", default="sim-model", show_default=True, help="Model name to request.")
+@click.option(
+    "--concurrency",
+    default="8",
+    show_default=True,
+    help="Users (closed loop) or most in flight (with --rate); a list sweeps: 1,8,64.",
+)
+@click.option(
+    "--requests",
+    "n_requests",
+    type=int,
+    default=None,
+    help="Requests per run.  [default: 100 unless --duration]",
+)
+@click.option("--duration", type=float, default=None, help="Seconds per run instead of a count.")
+@click.option(
+    "--rate", type=float, default=None, help="Open loop: arrivals per second (else closed loop)."
+)
+@click.option(
+    "--arrival", type=click.Choice(["poisson", "gamma"]), default="poisson", show_default=True
+)
+@click.option(
+    "--burstiness",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Gamma shape: 1 is Poisson, <1 burstier, >1 more regular.",
+)
+@click.option(
+    "--prompt-tokens",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Length of synthetic prompts (tokens).",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help='JSONL of prompts: {"messages": [...]}, {"prompt": "..."} or strings.',
+)
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=64,
+    show_default=True,
+    help="max_tokens per request (0: leave it to the server).",
+)
+@click.option(
+    "--protocol", type=click.Choice(["sse", "h2", "grpc"]), default="sse", show_default=True
+)
+@click.option(
+    "--compare",
+    default=None,
+    metavar="P1,P2",
+    help="A/B protocols in one interleaved run, e.g. sse,grpc.",
+)
+@click.option("--h2c", is_flag=True, help="h2 over http:// with prior knowledge (no upgrade).")
+@click.option(
+    "--grpc-url",
+    default=None,
+    metavar="HOST:PORT",
+    help="gRPC target.  [default: URL's host, port 50051]",
+)
+@click.option(
+    "--warmup",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Requests sent and discarded before each run.",
+)
+@click.option("--slo", default=None, help="Goodput targets, e.g. ttft=500ms,tpot=50ms.")
+@click.option(
+    "--temperature",
+    default=None,
+    metavar="T1,T2",
+    help="Runs per temperature, e.g. 0.2,0.7,1.2: tokens/s per temperature.",
+)
+@click.option(
+    "--header",
+    "headers",
+    multiple=True,
+    metavar="NAME:VALUE",
+    help="Extra request header (repeat), e.g. x-sim-itl-ms:2.",
+)
+@click.option(
+    "--api-key",
+    envvar="TOKENPIPE_API_KEY",
+    default=None,
+    help="Bearer key (or env TOKENPIPE_API_KEY). Never printed.",
+)
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes (one per core when the client is the limit).",
+)
+@click.option(
+    "--self-test",
+    is_flag=True,
+    help="Measure the client's own ceiling against an unpaced sim it starts.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--timeout", type=float, default=600.0, show_default=True, help="Seconds one request may take."
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Write every request and the summaries as JSON.",
+)
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Write a self-contained HTML report with plots.",
+)
+@click.option("--no-progress", is_flag=True, help="No live progress bar.")
+def bench(
+    url: str | None,
+    model: str,
+    concurrency: str,
+    n_requests: int | None,
+    duration: float | None,
+    rate: float | None,
+    arrival: str,
+    burstiness: float,
+    prompt_tokens: int,
+    prompts_file: str | None,
+    max_tokens: int,
+    protocol: str,
+    compare: str | None,
+    h2c: bool,
+    grpc_url: str | None,
+    warmup: int,
+    slo: str | None,
+    temperature: str | None,
+    headers: tuple[str, ...],
+    api_key: str | None,
+    processes: int,
+    self_test: bool,
+    seed: int,
+    timeout: float,
+    json_path: str | None,
+    html_path: str | None,
+    no_progress: bool,
+) -> None:
+    """Load-test an OpenAI-compatible streaming endpoint with correct LLM latency metrics.
+
+    \b
+    URL is a base URL (http://127.0.0.1:8000/v1) or the chat endpoint.
+    TTFT counts to the first content token; ITL is reported per token and per chunk;
+    TPOT = (last - first token) / (tokens - 1); goodput counts requests within --slo.
+    Examples:
+      tokenpipe bench http://127.0.0.1:8000/v1 --concurrency 1,8,64 --requests 200
+      tokenpipe bench URL --rate 20 --arrival gamma --burstiness 0.5 --duration 60
+      tokenpipe bench URL --compare sse,h2 --json out.json --html out.html
+      tokenpipe bench --self-test --processes 2
+    """
+    from rich.console import Console
+
+    from tokenpipe.bench import html as html_mod
+    from tokenpipe.bench import prompts as prompts_mod
+    from tokenpipe.bench import report
+    from tokenpipe.bench.clients import ProtocolUnavailable, grpc_modules
+    from tokenpipe.bench.metrics import parse_slo
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    err = Console(stderr=True)
+    try:
+        slo_obj = parse_slo(slo) if slo else None
+        concurrencies = _ints(concurrency)
+        temps: list[float | None] = list(_floats(temperature)) or [None]
+        prompt_list = prompts_mod.from_jsonl(prompts_file) if prompts_file else None
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if not concurrencies or min(concurrencies) < 1:
+        raise click.UsageError("--concurrency needs positive integers")
+    protocols = [p.strip() for p in compare.split(",")] if compare else [protocol]
+    for p in protocols:
+        if p not in ("sse", "h2", "grpc"):
+            raise click.UsageError(f"unknown protocol {p!r} in --compare")
+    if "grpc" in protocols:
+        try:
+            grpc_modules()
+        except ProtocolUnavailable as e:
+            err.print(f"[yellow]skipped[/] {e}")
+            protocols = [p for p in protocols if p != "grpc"]
+            if not protocols:
+                sys.exit(2)
+    extra_headers: dict[str, str] = {}
+    for h in headers:
+        name, sep, value = h.partition(":")
+        if not sep:
+            raise click.UsageError(f"--header {h!r}: use NAME:VALUE")
+        extra_headers[name.strip()] = value.strip()
+    if n_requests is None and duration is None:
+        n_requests = 2000 if self_test else 100
+
+    kwargs: dict[str, Any] = dict(
+        requests=n_requests,
+        duration_s=duration,
+        rate=rate,
+        arrival=arrival,
+        burstiness=burstiness,
+        protocols=tuple(protocols),
+        prompts=prompt_list,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens or None,
+        warmup=warmup,
+        headers=extra_headers,
+        api_key=api_key,
+        seed=seed,
+        h2c=h2c,
+        grpc_url=grpc_url,
+        timeout_s=timeout,
+    )
+
+    if self_test:
+        _self_test(
+            url, model, concurrencies, processes, kwargs, max_tokens or 256, console, json_path
+        )
+        return
+    if not url:
+        raise click.UsageError("URL is required (or --self-test)")
+
+    runs = _run_all(
+        url,
+        model,
+        concurrencies,
+        temps,
+        processes,
+        kwargs,
+        console,
+        err,
+        no_progress or (not console.is_terminal and processes > 1),
+    )
+    report.print_report(runs, slo_obj, console)
+    if temps != [None]:
+        _print_temperatures(runs, console)
+    command = "tokenpipe bench " + shlex.join(sys.argv[2:])
+    meta = {
+        "command": command,
+        "url": url,
+        "model": model,
+        "processes": processes,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    if json_path:
+        Path(json_path).write_bytes(
+            orjson.dumps(report.bench_json(runs, slo_obj, meta=meta), option=orjson.OPT_INDENT_2)
+        )
+        console.print(f"wrote {json_path}")
+    if html_path:
+        Path(html_path).write_text(html_mod.render(runs, slo_obj, command=command))
+        console.print(f"wrote {html_path}")
+    if all(not r.summary().requests_ok for r in runs):
+        sys.exit(1)
+
+
+def _run_all(
+    url: str,
+    model: str,
+    concurrencies: list[int],
+    temps: list[float | None],
+    processes: int,
+    kwargs: dict[str, Any],
+    console: Any,
+    err: Any,
+    no_progress: bool,
+) -> list:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tokenpipe.bench.load import run_load, run_load_processes
+    from tokenpipe.serving import install_uvloop
+
+    plan = [(t, c) for t in temps for c in concurrencies]
+    runs = []
+
+    def label(t: float | None, c: int) -> str:
+        parts = []
+        if len(concurrencies) > 1:
+            parts.append(f"c={c}")
+        if t is not None:
+            parts.append(f"T={t}")
+        return " ".join(parts)
+
+    if processes > 1:
+        for t, c in plan:
+            err.print(f"run {label(t, c) or '1'}: {processes} processes ...")
+            runs.append(
+                run_load_processes(
+                    processes, url, model, concurrency=c, temperature=t, label=label(t, c), **kwargs
+                )
+            )
+    else:
+        install_uvloop()
+        total = kwargs["requests"]
+        progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[live]}"),
+            console=err,
+            refresh_per_second=4,
+            disable=no_progress,
+        )
+
+        async def go() -> None:
+            with progress:
+                for t, c in plan:
+                    live = _Live()
+                    task = progress.add_task(label(t, c) or "run", total=total, live="")
+
+                    def on_record(rec: Any, live: _Live = live, task: Any = task) -> None:
+                        live.on_record(rec)
+                        progress.update(task, advance=1, live=live.text())
+
+                    runs.append(
+                        await run_load(
+                            url,
+                            model,
+                            concurrency=c,
+                            temperature=t,
+                            label=label(t, c),
+                            on_record=on_record,
+                            **kwargs,
+                        )
+                    )
+
+        asyncio.run(go())
+    out = []
+    for run in runs:
+        out.extend(run.split_by_protocol())
+    return out
+
+
+def _print_temperatures(runs: list, console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title="tokens/s per temperature", title_justify="left")
+    for col in ("temperature", "concurrency", "tokens/s", "TPOT p50 ms", "ratio"):
+        t.add_column(col, justify="right")
+    base = None
+    for run in runs:
+        s = run.summary().to_json()
+        tps = s["output_tokens_per_s"] or 0.0
+        base = base or tps or None
+        t.add_row(
+            str(run.temperature),
+            str(run.concurrency),
+            f"{tps:,.1f}",
+            f"{s['tpot_ms']['p50'] or 0:.2f}",
+            f"{tps / base:.2f}x" if base else "-",
+        )
+    console.print(t)
+
+
+def _self_test(
+    url: str | None,
+    model: str,
+    concurrencies: list[int],
+    processes: int,
+    kwargs: dict[str, Any],
+    output_tokens: int,
+    console: Any,
+    json_path: str | None,
+) -> None:
+    from contextlib import nullcontext
+
+    from tokenpipe.bench.load import run_load_processes
+    from tokenpipe.bench.selftest import Ceiling, own_cpu_s, process_cpu_s, unpaced_sim
+
+    ctx: Any = nullcontext((url, 0)) if url else unpaced_sim(output_tokens)
+    results = []
+    with ctx as (base, sim_pid):
+        for c in concurrencies:
+            cpu0, sim0, t0 = (
+                own_cpu_s(),
+                process_cpu_s(sim_pid) if sim_pid else 0.0,
+                time.perf_counter(),
+            )
+            run = run_load_processes(
+                processes,
+                base,
+                model,
+                concurrency=c,
+                label=f"c={c}",
+                **{**kwargs, "max_tokens": output_tokens},
+            )
+            wall = time.perf_counter() - t0
+            cpu = own_cpu_s() - cpu0
+            sim_cpu = (process_cpu_s(sim_pid) - sim0) if sim_pid else 0.0
+            s = run.summary()
+            ceiling = Ceiling(
+                tokens_per_s=s.output_tokens / run.wall_s if run.wall_s else 0.0,
+                requests_per_s=s.requests_ok / run.wall_s if run.wall_s else 0.0,
+                chunks_per_s=s.chunks / run.wall_s if run.wall_s else 0.0,
+                wall_s=run.wall_s,
+                client_cpu=cpu / wall,
+                sim_cpu=sim_cpu / wall,
+            )
+            results.append((c, run, ceiling))
+    from rich.table import Table
+
+    t = Table(
+        title=f"client ceiling ({processes} process(es), {output_tokens} tokens/request, "
+        "unpaced sim)",
+        title_justify="left",
+    )
+    for col in (
+        "concurrency",
+        "ok",
+        "failed",
+        "tokens/s",
+        "chunks/s",
+        "requests/s",
+        "client CPU (cores)",
+        "sim CPU (cores)",
+        "verdict",
+    ):
+        t.add_column(col, justify="right" if col != "verdict" else "left")
+    for c, run, ce in results:
+        s = run.summary()
+        t.add_row(
+            str(c),
+            str(s.requests_ok),
+            str(s.requests_failed),
+            f"{ce.tokens_per_s:,.0f}",
+            f"{ce.chunks_per_s:,.0f}",
+            f"{ce.requests_per_s:,.1f}",
+            f"{ce.client_cpu:.2f}",
+            f"{ce.sim_cpu:.2f}",
+            ce.verdict(processes),
+        )
+    console.print(t)
+    if json_path:
+        doc = {
+            "self_test": [
+                {
+                    "concurrency": c,
+                    "processes": processes,
+                    "output_tokens": output_tokens,
+                    "tokens_per_s": round(ce.tokens_per_s, 1),
+                    "chunks_per_s": round(ce.chunks_per_s, 1),
+                    "requests_per_s": round(ce.requests_per_s, 2),
+                    "client_cpu_cores": round(ce.client_cpu, 3),
+                    "sim_cpu_cores": round(ce.sim_cpu, 3),
+                    "verdict": ce.verdict(processes),
+                    "summary": run.summary().to_json(),
+                }
+                for c, run, ce in results
+            ]
+        }
+        Path(json_path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        console.print(f"wrote {json_path}")
