@@ -119,3 +119,31 @@ def render() -> bytes:
 
 def render() -> bytes:
     return generate_latest(REGISTRY)
+
+
+# -- context budgeting (tokenpipe.context) ---------------------------------------------------
+CONTEXT_COMPRESSED = Counter(
+    "tokenpipe_context_compressed",
+    "Requests whose history was compressed to fit the context window, by policy applied "
+    "(truncate, or summarize; a failed summary counts as truncate).",
+    ("policy",),
+    registry=REGISTRY,
+)
+CONTEXT_TOKENS_SAVED = Counter(
+    "tokenpipe_context_tokens_saved",
+    "Prompt tokens removed by history compression (counted or estimated before sending).",
+    ("policy",),
+    registry=REGISTRY,
+)
+CONTEXT_MAX_TOKENS_LOWERED = Counter(
+    "tokenpipe_context_max_tokens_lowered",
+    "Requests whose max_tokens was lowered (or set) so that prompt + output fit the window.",
+    registry=REGISTRY,
+)
+CONTEXT_SUMMARIES = Counter(
+    "tokenpipe_context_summaries",
+    "Summaries of dropped history, by outcome: new, extended (a cached summary plus the new "
+    "turns), reused (from the cache, no call), timeout and failed (both fell back to truncate).",
+    ("outcome",),
+    registry=REGISTRY,
+)
