@@ -117,10 +117,6 @@ def render() -> bytes:
     return generate_latest(REGISTRY)
 
 
-def render() -> bytes:
-    return generate_latest(REGISTRY)
-
-
 # -- context budgeting (tokenpipe.context) ---------------------------------------------------
 CONTEXT_COMPRESSED = Counter(
     "tokenpipe_context_compressed",
