@@ -1,0 +1,338 @@
+"""The context hop of the gateway: keeps each request inside its model's context window.
+
+`ContextBudget.apply` runs once per request, after parsing and before routing. It counts the
+prompt, and when the request would not fit it lowers `max_tokens`, compresses the history
+(truncate or summarize) or answers 400 itself; it never alters a request that fits.
+`ContextOutcome.observe` feeds the upstream's `usage` back into the token estimator.
+
+Per request, the header `x-tokenpipe-context-policy: off|truncate|summarize` overrides the
+configured policy. What was done is reported in response headers (`x-tokenpipe-max-tokens`,
+`x-tokenpipe-context`) and metrics (`tokenpipe_context_*`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from tokenpipe.context import plan, summary, tokens
+from tokenpipe.context.gguf_meta import GGUFError, read_metadata
+from tokenpipe.context.windows import WindowDiscovery, known_window
+from tokenpipe.errors import GatewayError
+from tokenpipe.front import schema
+from tokenpipe.observe import metrics
+from tokenpipe.router import Router
+from tokenpipe.settings import ContextModel, ContextSettings
+from tokenpipe.upstream.http import read_bounded
+
+log = logging.getLogger("tokenpipe.context")
+
+POLICY_HEADER = "x-tokenpipe-context-policy"
+MAX_TOKENS_HEADER = "x-tokenpipe-max-tokens"
+REPORT_HEADER = "x-tokenpipe-context"
+POLICIES = ("off", "truncate", "summarize")
+#: Models whose counters and estimators are remembered; the oldest is forgotten beyond it.
+MAX_MODELS = 1024
+#: Largest summary response read (bytes); a larger one is treated as a failed summary.
+MAX_SUMMARY_BYTES = 1 << 20
+
+
+class ContextOutcome:
+    """What `apply` did: the new body (None: unchanged), headers for the client, calibration."""
+
+    __slots__ = ("_calibrate", "body", "headers")
+
+    def __init__(self, body: bytes | None = None, headers: dict[str, str] | None = None,
+                 calibrate: tuple[tokens.Estimator, int, int] | None = None) -> None:
+        self.body = body
+        self.headers = headers or {}
+        self._calibrate = calibrate
+
+    def observe(self, usage: Mapping[str, Any] | None) -> None:
+        """The upstream's usage for this request: teaches the estimator the model's ratio."""
+        if self._calibrate is None or not usage:
+            return
+        prompt_tokens = usage.get("prompt_tokens")
+        if isinstance(prompt_tokens, int):
+            estimator, chars, overhead = self._calibrate
+            estimator.observe(chars, overhead, prompt_tokens)
+
+
+UNCHANGED = ContextOutcome()
+
+
+class ContextBudget:
+    def __init__(self, settings: ContextSettings, router: Router) -> None:
+        self.settings = settings
+        self.router = router
+        self.models: dict[str, ContextModel] = {m.name: m for m in settings.models}
+        self.cache = summary.SummaryCache(settings.summary_cache_entries)
+        self.discovery = WindowDiscovery()
+        self._counters: OrderedDict[str, tokens.TokenCounter] = OrderedDict()
+        self._gguf_windows: dict[str, int | None] = {}
+
+    # -- configuration lookups -------------------------------------------------------------
+
+    def policy(self, model: str, headers: Mapping[str, str]) -> str:
+        asked = headers.get(POLICY_HEADER)
+        if asked is not None:
+            if asked not in POLICIES:
+                raise GatewayError(400, f"{POLICY_HEADER} must be one of {', '.join(POLICIES)}.",
+                                   param=POLICY_HEADER, code="invalid_request")
+            return asked
+        cfg = self.models.get(model)
+        return (cfg.policy if cfg and cfg.policy else None) or self.settings.policy
+
+    async def window(self, model: str) -> int | None:
+        cfg = self.models.get(model)
+        if cfg is not None and cfg.window:
+            return cfg.window
+        try:
+            upstreams = await self.router.candidates(model)
+        except GatewayError:
+            upstreams = []
+        for upstream in upstreams[:1]:  # the one tried first
+            found = await self.discovery.window(upstream, model)
+            if found:
+                return found
+        if cfg is not None and cfg.gguf:
+            return self._gguf_window(cfg.gguf)
+        return known_window(model)
+
+    def _gguf_window(self, path: str) -> int | None:
+        if path not in self._gguf_windows:
+            try:
+                meta = read_metadata(tokens.resolve_gguf(path))
+                arch = meta.get("general.architecture")
+                value = meta.get(f"{arch}.context_length")
+                self._gguf_windows[path] = value if isinstance(value, int) else None
+            except (OSError, GGUFError, ImportError) as e:
+                log.warning("context: cannot read GGUF %s: %s", path, e)
+                self._gguf_windows[path] = None
+        return self._gguf_windows[path]
+
+    def counter(self, model: str) -> tokens.TokenCounter:
+        found = self._counters.get(model)
+        if found is not None:
+            self._counters.move_to_end(model)
+            return found
+        cfg = self.models.get(model)
+        spec = cfg.tokenizer if cfg else "auto"
+        counter = tokens.open_counter(spec, model, cfg.gguf if cfg else None)
+        if counter is None:
+            counter = tokens.Estimator()
+        log.info("context: %s counts tokens with %s", model, counter.name)
+        self._counters[model] = counter
+        while len(self._counters) > MAX_MODELS:
+            self._counters.popitem(last=False)
+        return counter
+
+    # -- the hop ---------------------------------------------------------------------------
+
+    async def apply(self, kind: type[Any], req: Any, obj: dict[str, Any],
+                    headers: Mapping[str, str]) -> ContextOutcome:
+        """Fits `obj` (the request as sent, changed in place) into the model's window."""
+        policy = self.policy(req.model, headers)
+        if policy == "off":
+            return UNCHANGED
+        window = await self.window(req.model)
+        if window is None:
+            return UNCHANGED
+        counter = self.counter(req.model)
+        if kind is schema.ChatRequest:
+            return await self._chat(req, obj, counter, window, policy)
+        return self._text(req, obj, counter, window)
+
+    def _limits(self, window: int, counter: tokens.TokenCounter, prompt: int) -> plan.Limits:
+        s = self.settings
+        margin = s.margin_tokens
+        if not counter.exact:
+            margin += math.ceil(s.estimate_margin * prompt)
+        return plan.Limits(window=window, margin=margin, reserve_output=s.reserve_output_tokens,
+                           min_output=s.min_output_tokens)
+
+    def _text(self, req: Any, obj: dict[str, Any], counter: tokens.TokenCounter,
+              window: int) -> ContextOutcome:
+        p = obj.get("prompt")
+        if isinstance(p, str):
+            prompt, chars = counter.count(p), len(p)
+        elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+            prompt, chars = len(p), 0  # token ids: exact whatever the counter
+        else:
+            return UNCHANGED  # a batch of prompts: each fits or fails on its own
+        calibrate = self._calibration(counter, chars, 0)
+        d = plan.decide_text(prompt, req.max_tokens, self._limits(window, counter, prompt))
+        if d.action == "fits":
+            return ContextOutcome(calibrate=calibrate)
+        if d.action == "reject":
+            raise _too_long(window, prompt)
+        obj["max_tokens"] = d.max_tokens
+        metrics.CONTEXT_MAX_TOKENS_LOWERED.inc()
+        return ContextOutcome(orjson.dumps(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)},
+                              calibrate)
+
+    @staticmethod
+    def _calibration(counter: tokens.TokenCounter, chars: int, overhead: int
+                     ) -> tuple[tokens.Estimator, int, int] | None:
+        return (counter, chars, overhead) if isinstance(counter, tokens.Estimator) else None
+
+    async def _chat(self, req: Any, obj: dict[str, Any], counter: tokens.TokenCounter,
+                    window: int, policy: str) -> ContextOutcome:
+        messages: list[dict[str, Any]] = obj["messages"]
+        costs = tokens.count_messages(counter, messages)
+        reply = counter.chat.reply
+        chars = sum(len(tokens.message_text(m)) for m in messages)
+        calibrate = self._calibration(
+            counter, chars, counter.chat.per_message * len(messages) + reply)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        prompt = sum(costs) + reply
+        limits = self._limits(window, counter, prompt)
+        extra = 0
+        if policy == "summarize":
+            extra = self.settings.summary_max_tokens + counter.chat.per_message + \
+                counter.count(summary.SUMMARY_PREFIX)
+        d = plan.decide(messages, costs, reply, max_tokens, limits, extra=extra)
+        out_headers: dict[str, str] = {}
+        if d.action == "fits":
+            return ContextOutcome(calibrate=calibrate)
+        if d.action == "reject":
+            raise _too_long(window, d.prompt_tokens)
+        if d.action == "lower":
+            obj[field] = d.max_tokens
+            metrics.CONTEXT_MAX_TOKENS_LOWERED.inc()
+            return ContextOutcome(orjson.dumps(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)},
+                                  calibrate)
+
+        system, older, kept = plan.split(messages, d.keep_from)
+        done = "truncate"
+        note = ""
+        new_messages = [*system, *kept]
+        if policy == "summarize":
+            text, note = await self._summary(req.model, messages, older)
+            if text is not None:
+                done = "summarize"
+                at = next((i for i, m in enumerate(messages) if m.get("role")
+                           not in plan.KEPT_ROLES), 0)  # after the leading system messages
+                lead = messages[:at]  # all system/developer messages
+                rest = [m for m in messages[at:] if m.get("role") in plan.KEPT_ROLES]
+                note_msg = {"role": "system", "content": summary.SUMMARY_PREFIX + text}
+                new_messages = [*lead, note_msg, *rest, *kept]
+        new_costs = tokens.count_messages(counter, new_messages)
+        new_prompt = sum(new_costs) + reply
+        room = window - limits.margin - new_prompt
+        want = max_tokens if max_tokens is not None else limits.reserve_output
+        if room < min(want, limits.min_output):
+            raise _too_long(window, new_prompt)  # a summary longer than it was asked to be
+        obj["messages"] = new_messages
+        if room < want:
+            obj[field] = room
+            out_headers[MAX_TOKENS_HEADER] = str(room)
+            metrics.CONTEXT_MAX_TOKENS_LOWERED.inc()
+        report = (f"policy={done}; dropped_messages={len(older)}; "
+                  f"prompt_tokens={prompt}->{new_prompt}")
+        out_headers[REPORT_HEADER] = report + (f"; summary={note}" if note else "")
+        _count(done, max(0, prompt - new_prompt))
+        return ContextOutcome(orjson.dumps(obj), out_headers, calibrate)
+
+    # -- summaries -------------------------------------------------------------------------
+
+    async def _summary(self, model: str, messages: list[dict[str, Any]],
+                       older: list[dict[str, Any]]) -> tuple[str | None, str]:
+        """(summary of `older` or None to truncate instead, what happened for the header)."""
+        convo = [m for m in messages if m.get("role") not in plan.KEPT_ROLES]
+        n = len(older)
+        hashes = summary.prefix_hashes(convo[:n])
+        have, previous = self.cache.longest(hashes, n)
+        if have == n and previous is not None:
+            metrics.CONTEXT_SUMMARIES.labels("reused").inc()
+            return previous, "reused"
+        fresh = convo[have:n]
+        summarizer = self.settings.summarizer_model or model
+        try:
+            text = await asyncio.wait_for(
+                self.cache.once(hashes[n], lambda: self._write(summarizer, previous, fresh)),
+                self.settings.summary_deadline_seconds)
+        except asyncio.TimeoutError:
+            metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
+            return None, "timeout"
+        except (GatewayError, aiohttp.ClientError, ValueError) as e:
+            log.warning("context: summary by %s failed: %s", summarizer, e)
+            metrics.CONTEXT_SUMMARIES.labels("failed").inc()
+            return None, "failed"
+        metrics.CONTEXT_SUMMARIES.labels("extended" if previous else "new").inc()
+        return text, ("extended" if previous else "new")
+
+    async def _write(self, model: str, previous: str | None,
+                     fresh: list[dict[str, Any]]) -> str:
+        """One call to the summarising model with the previous summary and the new messages."""
+        counter = self.counter(model)
+        window = await self.window(model)
+        max_tokens = self.settings.summary_max_tokens
+        if window is not None:
+            # Newest messages first until the summarizer's own window is full: what does not
+            # fit is left out (truncated), so a summary is always one bounded call.
+            budget = (window - max_tokens - self.settings.margin_tokens
+                      - counter.count(INSTRUCTIONS_AND_SLACK) - counter.count(previous or ""))
+            start = len(fresh)
+            while start > 0:
+                cost = tokens.count_message(counter, fresh[start - 1])
+                if cost > budget:
+                    break
+                budget -= cost
+                start -= 1
+            fresh = fresh[start:]
+            if not fresh and previous is None:
+                raise ValueError("no message fits the summarizer's window")
+        body = orjson.dumps({
+            "model": model, "stream": False, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "system", "content": summary.INSTRUCTIONS},
+                         {"role": "user", "content": summary.transcript(previous, fresh)}],
+        })
+        _upstream, resp = await self.router.open(model, "/chat/completions", body,
+                                                 "ctx-summary-" + uuid.uuid4().hex[:16])
+        try:
+            raw = await read_bounded(resp, MAX_SUMMARY_BYTES)
+        finally:
+            resp.close()
+        if resp.status != 200:
+            raise ValueError(f"summarizer answered {resp.status}")
+        try:
+            text = orjson.loads(raw)["choices"][0]["message"]["content"]
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise ValueError("summarizer answer is not a chat completion") from None
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("summarizer wrote an empty summary")
+        return text.strip()
+
+
+#: The instructions plus the transcript's fixed parts, as counted against the window.
+INSTRUCTIONS_AND_SLACK = summary.INSTRUCTIONS + " (summary of what came before) " * 2
+
+
+def _too_long(window: int, prompt: int) -> GatewayError:
+    return GatewayError(
+        400,
+        f"This model's maximum context length is {window} tokens. However, your messages "
+        f"resulted in about {prompt} tokens, and the gateway could not shorten them enough "
+        "(the system messages and the last turn alone do not fit). Please reduce the length "
+        "of the messages.",
+        param="messages", code="context_length_exceeded")
+
+
+def _count(action: str, saved: int) -> None:
+    metrics.CONTEXT_COMPRESSED.labels(action).inc()
+    if saved:
+        metrics.CONTEXT_TOKENS_SAVED.labels(action).inc(saved)
+
+
+CONTEXT: web.AppKey[ContextBudget] = web.AppKey("context", ContextBudget)

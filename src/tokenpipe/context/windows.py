@@ -1,0 +1,112 @@
+"""Where a model's context window comes from, first match wins.
+
+1. the config (`context.models[].window`);
+2. the upstream's own `/v1/models` entry, which vLLM (`max_model_len`), llama.cpp's server
+   (`meta.n_ctx_train`) and tokenpipe local (`context_window`) fill in: the window the server
+   actually runs with, which can be smaller than the one the model was trained for;
+3. the config's GGUF file (`{arch}.context_length`, the trained window);
+4. a small table of published windows for OpenAI models.
+
+A model with no known window is not budgeted at all: guessing would alter requests that fit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+import aiohttp
+import orjson
+
+from tokenpipe.upstream.http import HttpUpstream
+
+log = logging.getLogger("tokenpipe.context")
+
+#: Published context windows (tokens), from OpenAI's model pages. Prefix match, longest first.
+KNOWN_WINDOWS: dict[str, int] = {
+    "gpt-4.1": 1_047_576,
+    "gpt-4o": 128_000,
+    "gpt-4-turbo": 128_000,
+    "gpt-4-32k": 32_768,
+    "gpt-4": 8_192,
+    "gpt-3.5-turbo": 16_385,
+    "o1": 200_000,
+    "o3": 200_000,
+    "o4-mini": 200_000,
+}
+#: Fields of a /v1/models entry that carry the serving window, in order of trust.
+_MODEL_FIELDS = ("context_window", "max_model_len", "context_length", "n_ctx")
+#: How long an upstream's answer is trusted (seconds); an unreachable one is asked again then.
+DISCOVERY_TTL = 60.0
+#: Bound on remembered (upstream, model) answers; the oldest is forgotten beyond it.
+MAX_DISCOVERED = 4096
+
+
+def known_window(model: str) -> int | None:
+    for prefix in sorted(KNOWN_WINDOWS, key=len, reverse=True):
+        if model.startswith(prefix):
+            return KNOWN_WINDOWS[prefix]
+    return None
+
+
+def window_from_entry(entry: dict[str, Any]) -> int | None:
+    for key in _MODEL_FIELDS:
+        value = entry.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    meta = entry.get("meta")
+    if isinstance(meta, dict):
+        for key in ("n_ctx", "n_ctx_train"):
+            value = meta.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+class WindowDiscovery:
+    """Asks each upstream's /v1/models for the windows it serves, cached for DISCOVERY_TTL."""
+
+    def __init__(self) -> None:
+        self._cache: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
+        self._lock = asyncio.Lock()
+
+    async def window(self, upstream: HttpUpstream, model: str) -> int | None:
+        now = time.monotonic()
+        hit = self._cache.get(upstream.name)
+        if hit is None or now - hit[0] > DISCOVERY_TTL:
+            async with self._lock:  # one fetch at a time; others wait (bounded by its 5 s)
+                hit = self._cache.get(upstream.name)
+                if hit is None or now - hit[0] > DISCOVERY_TTL:
+                    hit = (now, await self._fetch(upstream))
+                    self._cache[upstream.name] = hit
+                    while len(self._cache) > MAX_DISCOVERED:
+                        self._cache.popitem(last=False)
+        return hit[1].get(model)
+
+    async def _fetch(self, upstream: HttpUpstream) -> dict[str, int]:
+        headers = {}
+        key = upstream.settings.api_key()
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        try:
+            async with upstream.session.get(
+                upstream.base_url + "/models", headers=headers,
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as resp:
+                if resp.status != 200:
+                    return {}
+                data = orjson.loads(await resp.read())
+            found: dict[str, int] = {}
+            for entry in data.get("data") or ():
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                    w = window_from_entry(entry)
+                    if w:
+                        found[entry["id"]] = w
+            return found
+        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError,
+                AttributeError, TypeError):
+            log.warning("upstream %s: could not read context windows from /models", upstream.name)
+            return {}
