@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from tokenpipe import sse
+from tokenpipe.context.budget import CONTEXT, ContextBudget
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
 from tokenpipe.front.auth import Authenticator
@@ -121,6 +122,8 @@ async def _completion(
     app[AUTH].check(request.headers.get("Authorization"))
     body = await _read_body(request, app[SETTINGS].server.max_body_bytes)
     req, obj = schema.parse(body, kind)
+    ctx = await app[CONTEXT].apply(kind, req, obj, request.headers)  # may shorten the request
+    body = ctx.body or body
     stream = bool(req.stream)
     strip_usage = False
     if stream:
@@ -140,8 +143,10 @@ async def _completion(
     try:
         if uresp.status != 200 or not stream:
             status, response = await _unary(uresp, tally, rid)
+            response.headers.update(ctx.headers)
             return response
-        response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, "x-request-id": rid})
+        response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, "x-request-id": rid,
+                                                           **ctx.headers})
         await response.prepare(request)
         status = await _relay_stream(uresp, response, SSERelay(tally, strip_usage))
         return response
@@ -149,6 +154,7 @@ async def _completion(
         uresp.close()  # at once: a client that went away must not keep the upstream busy
         gauge.dec()
         tally.finish(status)
+        ctx.observe(tally.usage)
 
 
 async def _unary(
@@ -265,6 +271,7 @@ def build_app(settings: Settings, router: Router) -> web.Application:
     app[SETTINGS] = settings
     app[ROUTER] = router
     app[AUTH] = Authenticator(settings.auth.api_keys)
+    app[CONTEXT] = ContextBudget(settings.context, router)
     app[STATE] = {"draining": False}
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
