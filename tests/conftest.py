@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
 
 from tests import procs
 
@@ -30,11 +31,13 @@ def gateway(sim: procs.Service) -> Iterator[procs.Service]:
 class OpenAISchemas:
     def __init__(self) -> None:
         doc = json.loads(SCHEMAS.read_text())
-        self.registry = Registry().with_resource("", Resource.from_contents(doc))
+        self.registry = Registry().with_resource(
+            "urn:openai-schemas", Resource.from_contents(doc, default_specification=DRAFT202012)
+        )
         self.schemas = doc["components"]["schemas"]
 
     def validate(self, name: str, instance: Any) -> None:
-        schema = {"$ref": f"#/components/schemas/{name}"}
+        schema = {"$ref": f"urn:openai-schemas#/components/schemas/{name}"}
         Draft202012Validator(schema, registry=self.registry).validate(instance)
 
 

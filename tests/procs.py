@@ -13,19 +13,27 @@ from collections import deque
 from pathlib import Path
 
 _LISTEN = re.compile(rb"listening on (http://[\d.]+:(\d+))")
-LOG_DIR = Path(os.environ.get("TOKENPIPE_TEST_LOGS", Path(__file__).parent.parent / ".cache/test-logs"))
+LOG_DIR = Path(
+    os.environ.get("TOKENPIPE_TEST_LOGS", Path(__file__).parent.parent / ".cache/test-logs")
+)
 
 
 class Service:
     """A `tokenpipe ...` child process. Its output is kept (bounded) and saved to LOG_DIR."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 60.0,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        name: str | None = None,
+    ) -> None:
         self.args = [sys.executable, "-m", "tokenpipe", *args]
         self.name = name or args[0]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=full_env)
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env
+        )
         self.lines: deque[bytes] = deque(maxlen=5000)
         self.url = ""
         self.port = 0
@@ -86,5 +94,4 @@ def sim(*args: str, **kw: object) -> Service:
 
 
 def gateway(*args: str, **kw: object) -> Service:
-    return Service("serve", "--port", "0", "--grpc-port", "0", *args, name="gateway",
-                   **kw)  # type: ignore[arg-type]
+    return Service("serve", "--port", "0", "--grpc-port", "0", *args, name="gateway", **kw)  # type: ignore[arg-type]

@@ -28,8 +28,11 @@ class Authenticator:
         if not self._keys:
             return ANONYMOUS
         if not authorization or not authorization.startswith("Bearer "):
-            raise GatewayError(401, "You didn't provide an API key. Send it as "
-                               "'Authorization: Bearer YOUR_KEY'.", code="missing_api_key")
+            raise GatewayError(
+                401,
+                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",
+                code="missing_api_key",
+            )
         presented = hashlib.sha256(authorization[7:].strip().encode()).digest()
         found = None
         # Compare against every digest so the time taken does not say which one matched.

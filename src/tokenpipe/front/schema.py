@@ -45,7 +45,8 @@ class ChatRequest(Struct):
     top_p: Probability | None = None
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+# OpenAI allows a string, strings, token ids or lists of token ids (msgspec takes one list type).
+Prompt = str | list[str | int | list[int]]
 
 
 class CompletionRequest(Struct):
@@ -67,8 +68,9 @@ def parse(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]) -> tup
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise GatewayError(400, f"We could not parse the JSON body of your request: {e}",
-                           code="invalid_json") from None
+        raise GatewayError(
+            400, f"We could not parse the JSON body of your request: {e}", code="invalid_json"
+        ) from None
     if not isinstance(obj, dict):
         raise GatewayError(400, "The request body must be a JSON object.", code="invalid_json")
     try:
@@ -78,5 +80,6 @@ def parse(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]) -> tup
         m = _PATH.search(text)
         param = m.group(1) if m else None
         message = _PATH.sub("", text) + (f" (at '{param}')" if param else "")
-        raise GatewayError(400, f"Invalid request: {message}", param=param,
-                           code="invalid_request") from None
+        raise GatewayError(
+            400, f"Invalid request: {message}", param=param, code="invalid_request"
+        ) from None

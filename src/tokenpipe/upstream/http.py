@@ -75,11 +75,15 @@ class HttpUpstream:
                 self.base_url + path, data=body, headers=headers, allow_redirects=False
             )
         except asyncio.TimeoutError:
-            raise GatewayError(504, f"Upstream '{self.name}' did not answer in time.",
-                               code="upstream_timeout") from None
+            raise GatewayError(
+                504, f"Upstream '{self.name}' did not answer in time.", code="upstream_timeout"
+            ) from None
         except aiohttp.ClientError as e:
-            raise GatewayError(502, f"Upstream '{self.name}' is unreachable ({type(e).__name__}).",
-                               code="upstream_unavailable") from None
+            raise GatewayError(
+                502,
+                f"Upstream '{self.name}' is unreachable ({type(e).__name__}).",
+                code="upstream_unavailable",
+            ) from None
 
     async def serves(self, model: str) -> bool:
         models = self.settings.models
@@ -112,8 +116,13 @@ class HttpUpstream:
                 data = orjson.loads(await resp.read())
             self._models = [m["id"] for m in data["data"]]
             self._models_at = now
-        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError,
-                KeyError, TypeError):
+        except (
+            aiohttp.ClientError,
+            asyncio.TimeoutError,
+            orjson.JSONDecodeError,
+            KeyError,
+            TypeError,
+        ):
             log.warning("upstream %s: could not list its models", self.name)
             return None
         return self._models
@@ -127,7 +136,8 @@ async def read_bounded(resp: aiohttp.ClientResponse, limit: int = MAX_RESPONSE_B
     async for chunk in resp.content.iter_any():
         size += len(chunk)
         if size > limit:
-            raise GatewayError(502, "Upstream response too large.",
-                               code="upstream_response_too_large")
+            raise GatewayError(
+                502, "Upstream response too large.", code="upstream_response_too_large"
+            )
         parts.append(chunk)
     return b"".join(parts)

@@ -132,8 +132,10 @@ class Sim:
         if wait == 0.0:
             for b, n in charges:
                 b.take(n)
-        for bucket, limit, kind in ((self.rpm, self.config.rpm, "requests"),
-                                    (self.tpm, self.config.tpm, "tokens")):
+        for bucket, limit, kind in (
+            (self.rpm, self.config.rpm, "requests"),
+            (self.tpm, self.config.tpm, "tokens"),
+        ):
             if bucket is None or limit is None:
                 continue
             headers[f"x-ratelimit-limit-{kind}"] = str(int(limit))
@@ -183,8 +185,12 @@ class Sim:
         n_out = timing.force_output_tokens
         if n_out is None:
             n_out = int(max_tokens) if max_tokens is not None else timing.output_tokens
-        rec = Record(request.headers.get("x-request-id") or uuid.uuid4().hex, kind,
-                     time.monotonic(), prompt_tokens=prompt_tokens)
+        rec = Record(
+            request.headers.get("x-request-id") or uuid.uuid4().hex,
+            kind,
+            time.monotonic(),
+            prompt_tokens=prompt_tokens,
+        )
         fault = timing.fault
         if fault is not None:
             rec.fault = fault.kind
@@ -194,8 +200,12 @@ class Sim:
         if wait > 0:
             rec.status = 429
             self.finish(rec, "error")
-            return _error(429, "Rate limit reached. Please try again later.",
-                          code="rate_limit_exceeded", headers=_retry_headers(wait, rl_headers))
+            return _error(
+                429,
+                "Rate limit reached. Please try again later.",
+                code="rate_limit_exceeded",
+                headers=_retry_headers(wait, rl_headers),
+            )
         if fault is not None and fault.kind == "status":
             rec.status = fault.status
             self.finish(rec, "error")
@@ -208,25 +218,45 @@ class Sim:
         tokens = list(islice(text.words(self.config.seed, prompt_text), n_out))
         stream = bool(req.get("stream"))
         opts = req.get("stream_options") or {}
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_out,
-                 "total_tokens": prompt_tokens + n_out}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": n_out,
+            "total_tokens": prompt_tokens + n_out,
+        }
         self.active += 1
         try:
             if stream:
-                return await self._stream(request, rec, kind, model, tokens, timing,
-                                          finish_reason, usage if opts.get("include_usage")
-                                          else None, rl_headers)
-            return await self._unary(rec, kind, model, tokens, timing, finish_reason, usage,
-                                     rl_headers)
+                return await self._stream(
+                    request,
+                    rec,
+                    kind,
+                    model,
+                    tokens,
+                    timing,
+                    finish_reason,
+                    usage if opts.get("include_usage") else None,
+                    rl_headers,
+                )
+            return await self._unary(
+                rec, kind, model, tokens, timing, finish_reason, usage, rl_headers
+            )
         except asyncio.CancelledError:
             self.finish(rec, "cancelled")
             raise
         finally:
             self.active -= 1
 
-    async def _unary(self, rec: Record, kind: str, model: str, tokens: list[str],
-                     timing: Timing, finish_reason: str, usage: dict[str, int],
-                     headers: dict[str, str]) -> web.Response:
+    async def _unary(
+        self,
+        rec: Record,
+        kind: str,
+        model: str,
+        tokens: list[str],
+        timing: Timing,
+        finish_reason: str,
+        usage: dict[str, int],
+        headers: dict[str, str],
+    ) -> web.Response:
         delay = timing.ttft_ms + max(0, len(tokens) - 1) * timing.itl_ms
         if timing.fault is not None and timing.fault.kind in ("stall-first", "stall"):
             delay += timing.fault.ms
@@ -237,29 +267,48 @@ class Sim:
         cid = "chatcmpl-" + rec.id if kind == "chat" else "cmpl-" + rec.id
         choice: dict[str, Any]
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content,
-                                              "refusal": None},
-                      "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": content, "refusal": None},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": content, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
             obj = "text_completion"
         rec.tokens = len(tokens)
         self.finish(rec, "completed")
-        body = {"id": cid, "object": obj, "created": created, "model": model,
-                "system_fingerprint": "tokenpipe-sim", "choices": [choice], "usage": usage}
-        return web.Response(body=orjson.dumps(body), content_type="application/json",
-                            headers=headers)
+        body = {
+            "id": cid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "system_fingerprint": "tokenpipe-sim",
+            "choices": [choice],
+            "usage": usage,
+        }
+        return web.Response(
+            body=orjson.dumps(body), content_type="application/json", headers=headers
+        )
 
-    async def _stream(self, request: web.Request, rec: Record, kind: str, model: str,
-                      tokens: list[str], timing: Timing, finish_reason: str,
-                      usage: dict[str, int] | None,
-                      headers: dict[str, str]) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        rec: Record,
+        kind: str,
+        model: str,
+        tokens: list[str],
+        timing: Timing,
+        finish_reason: str,
+        usage: dict[str, int] | None,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", **headers})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+        )
         await resp.prepare(request)
         fault = timing.fault
         fkind = fault.kind if fault else None
@@ -271,23 +320,37 @@ class Sim:
         created = int(time.time())
         usage_field = b',"usage":null' if usage is not None else b""
         if kind == "chat":
-            head = (b'{"id":"chatcmpl-' + rec.id.encode() + b'","object":"chat.completion.chunk",'
-                    b'"created":' + str(created).encode() + b',"model":' + orjson.dumps(model)
-                    + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,')
+            head = (
+                b'{"id":"chatcmpl-' + rec.id.encode() + b'","object":"chat.completion.chunk",'
+                b'"created":'
+                + str(created).encode()
+                + b',"model":'
+                + orjson.dumps(model)
+                + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
+            )
             content_pre = b'"delta":{"content":'
             content_post = b'},"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
         else:
-            head = (b'{"id":"cmpl-' + rec.id.encode() + b'","object":"text_completion",'
-                    b'"created":' + str(created).encode() + b',"model":' + orjson.dumps(model)
-                    + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,')
+            head = (
+                b'{"id":"cmpl-' + rec.id.encode() + b'","object":"text_completion",'
+                b'"created":'
+                + str(created).encode()
+                + b',"model":'
+                + orjson.dumps(model)
+                + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
+            )
             content_pre = b'"text":'
             content_post = b',"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
 
         buf: list[bytes] = []
         size = 0
         if kind == "chat":
-            buf.append(sse.encode(head + b'"delta":{"role":"assistant","content":""},'
-                                  b'"logprobs":null,"finish_reason":null}]' + usage_field + b"}"))
+            buf.append(
+                sse.encode(
+                    head + b'"delta":{"role":"assistant","content":""},'
+                    b'"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
+                )
+            )
         if fkind == "garbage":
             buf.append(b"data: this is not json\n\n")
         await resp.write(b"".join(buf))
@@ -323,16 +386,25 @@ class Sim:
                     size = 0
                 if delay > 0:
                     await asyncio.sleep(delay)
-            piece = "".join(tokens[start:start + per])
+            piece = "".join(tokens[start : start + per])
             ev = b"data: " + head + content_pre + orjson.dumps(piece) + content_post + b"\n\n"
             buf.append(ev)
             size += len(ev)
-            sent += len(tokens[start:start + per])
+            sent += len(tokens[start : start + per])
             due += gap
         rec.tokens = sent
         end_delta = b'"delta":{},' if kind == "chat" else b'"text":"",'
-        buf.append(sse.encode(head + end_delta + b'"logprobs":null,"finish_reason":"'
-                              + finish_reason.encode() + b'"}]' + usage_field + b"}"))
+        buf.append(
+            sse.encode(
+                head
+                + end_delta
+                + b'"logprobs":null,"finish_reason":"'
+                + finish_reason.encode()
+                + b'"}]'
+                + usage_field
+                + b"}"
+            )
+        )
         if usage is not None:
             tail = head.rsplit(b'"choices":', 1)[0]
             buf.append(sse.encode(tail + b'"choices":[],"usage":' + orjson.dumps(usage) + b"}"))
@@ -343,21 +415,37 @@ class Sim:
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "tokenpipe-sim"}
-                for m in self.config.models]
-        return web.Response(body=orjson.dumps({"object": "list", "data": data}),
-                            content_type="application/json")
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "tokenpipe-sim"}
+            for m in self.config.models
+        ]
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": data}), content_type="application/json"
+        )
 
     async def stats(self, request: web.Request) -> web.Response:
         """Counters and the last request records, for tests and benchmarks."""
         last = int(request.query.get("last", "100"))
         recs = list(self.records)[-last:] if last > 0 else []
-        body = {"requests": sum(self.counts.values()) + self.active, "active": self.active,
-                "outcomes": self.counts,
-                "records": [{"id": r.id, "kind": r.kind, "started": r.started,
-                             "ended": r.ended, "outcome": r.outcome, "status": r.status,
-                             "fault": r.fault, "tokens": r.tokens,
-                             "prompt_tokens": r.prompt_tokens} for r in recs]}
+        body = {
+            "requests": sum(self.counts.values()) + self.active,
+            "active": self.active,
+            "outcomes": self.counts,
+            "records": [
+                {
+                    "id": r.id,
+                    "kind": r.kind,
+                    "started": r.started,
+                    "ended": r.ended,
+                    "outcome": r.outcome,
+                    "status": r.status,
+                    "fault": r.fault,
+                    "tokens": r.tokens,
+                    "prompt_tokens": r.prompt_tokens,
+                }
+                for r in recs
+            ],
+        }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def reset_stats(self, request: web.Request) -> web.Response:
@@ -392,8 +480,11 @@ def _peek(bucket: TokenBucket, n: float) -> float:
 
 def _retry_headers(wait: float, headers: dict[str, str]) -> dict[str, str]:
     wait = 60.0 if math.isinf(wait) else wait
-    return {**headers, "retry-after": str(max(1, math.ceil(wait))),
-            "retry-after-ms": str(max(1, math.ceil(wait * 1000)))}
+    return {
+        **headers,
+        "retry-after": str(max(1, math.ceil(wait))),
+        "retry-after-ms": str(max(1, math.ceil(wait * 1000))),
+    }
 
 
 def go_duration(seconds: float) -> str:
@@ -405,14 +496,26 @@ def go_duration(seconds: float) -> str:
     return f"{int(minutes)}m{s}s" if minutes else f"{s}s"
 
 
-def _error(status: int, message: str, code: str | None = None,
-           headers: dict[str, str] | None = None) -> web.Response:
-    types = {400: "invalid_request_error", 404: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error"}
-    body = {"error": {"message": message, "type": types.get(status, "server_error"),
-                      "param": None, "code": code}}
-    return web.Response(status=status, body=orjson.dumps(body),
-                        content_type="application/json", headers=headers)
+def _error(
+    status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    types = {
+        400: "invalid_request_error",
+        404: "invalid_request_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+    }
+    body = {
+        "error": {
+            "message": message,
+            "type": types.get(status, "server_error"),
+            "param": None,
+            "code": code,
+        }
+    }
+    return web.Response(
+        status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
+    )
 
 
 def _reset(request: web.Request) -> None:
