@@ -1,0 +1,145 @@
+"""Builds the traffic controls from settings and follows one request through them.
+
+`TrafficControl` owns the store (memory or Redis), one `Limiter` per upstream and the
+per-key `Admission`. A `Ticket` is one request's passage: admitted for its key, then a
+permit from the limiter of each upstream it is sent to, released when the request ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tokenpipe.admission import Admission, Grant
+from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.control import cost as cost_mod
+from tokenpipe.control.aimd import AIMDLimit
+from tokenpipe.control.limiter import Limiter, Permit
+from tokenpipe.control.store import Limits, MemoryStore, Spec, Store
+from tokenpipe.settings import Settings, UpstreamLimits
+
+#: Statuses of a failed send that mean the request never reached the upstream.
+NOT_SENT = frozenset({502})
+
+
+def _configured(u: UpstreamLimits | None) -> Limits:
+    if u is None:
+        return Limits()
+
+    def spec(per_minute: float | None) -> Spec | None:
+        if per_minute is None:
+            return None
+        rate = per_minute / 60.0
+        return Spec(rate, max(1.0, rate * u.bucket_seconds))
+
+    return Limits(spec(u.rpm), spec(u.tpm))
+
+
+class TrafficControl:
+    def __init__(self, settings: Settings, clock: Clock = MONOTONIC) -> None:
+        lim = settings.limits
+        self.settings = lim
+        self.clock = clock
+        share = 1.0 / lim.workers
+        self.store: Store
+        if lim.backend == "redis":
+            from tokenpipe.control.redis_backend import RedisStore
+
+            self.store = RedisStore(
+                lim.redis.url,
+                prefix=lim.redis.key_prefix,
+                timeout=lim.redis.timeout_seconds,
+                clock=clock,
+            )
+        else:
+            self.store = MemoryStore(clock, share=share)
+        self.limiters: dict[str, Limiter] = {}
+        for u in settings.upstreams:
+            conf = lim.upstreams.get(u.name)
+            ceiling = conf.max_concurrency if conf and conf.max_concurrency else lim.max_concurrency
+            ceiling = max(1, int(ceiling * share))
+            if lim.adaptive_concurrency:
+                conc = AIMDLimit(
+                    min(lim.initial_concurrency, ceiling), maximum=ceiling, clock=clock
+                )
+            else:
+                conc = AIMDLimit(ceiling, minimum=ceiling, maximum=ceiling, clock=clock)
+            self.limiters[u.name] = Limiter(
+                u.name,
+                self.store,
+                configured=_configured(conf),
+                learn=lim.learn_from_headers,
+                concurrency=conc,
+                clock=clock,
+                max_waiting=lim.max_waiting,
+            )
+        self.admission = Admission(settings.keys, self.store, share)
+
+    async def admit(self, key: str, request: dict[str, Any]) -> Ticket:
+        """Per-key quota check (429 when over), then a ticket for the upstream limiters."""
+        c = cost_mod.of_request(request, self.settings.default_output_tokens)
+        grant = await self.admission.admit(key, c.tokens)
+        return Ticket(self, key, c, grant)
+
+    async def start(self) -> None:
+        await self.store.start()
+
+    async def close(self) -> None:
+        for limiter in self.limiters.values():
+            await limiter.close()
+        await self.store.close()
+
+
+class Ticket:
+    """One request's passage. `finish()` may be called more than once (only the first counts)."""
+
+    __slots__ = ("cost", "deadline", "grant", "key", "permit", "status", "traffic")
+
+    def __init__(
+        self, traffic: TrafficControl, key: str, cost: cost_mod.Cost, grant: Grant | None
+    ) -> None:
+        self.traffic = traffic
+        self.key = key
+        self.cost = cost
+        self.grant = grant
+        self.permit: Permit | None = None
+        self.status: int | None = None
+        self.deadline = traffic.clock.now() + traffic.settings.queue_deadline_seconds
+
+    async def acquire(self, upstream: str) -> None:
+        """Waits for capacity at `upstream` (raises 429 past the queue deadline)."""
+        self._release(None, sent=False)  # a permit from an earlier upstream was not used
+        limiter = self.traffic.limiters.get(upstream)
+        if limiter is None:
+            return
+        left = max(0.001, self.deadline - self.traffic.clock.now())
+        self.permit = await limiter.acquire(self.key, self.cost.tokens, left)
+
+    async def arrived(self, status: int, headers: Mapping[str, str]) -> None:
+        """The upstream answered (headers only): learn from them."""
+        self.status = status
+        if self.permit is not None:
+            await self.permit.limiter.observe(self.permit, status, headers)
+
+    def failed(self, status: int) -> None:
+        """Sending failed before any answer: 502 never reached it, 504 may have."""
+        self.status = status
+        self._release(None, sent=status not in NOT_SENT)
+
+    def _release(self, usage: dict[str, Any] | None, sent: bool) -> None:
+        p = self.permit
+        if p is None:
+            return
+        self.permit = None
+        charged = self.cost.charged(usage) if sent else None
+        p.limiter.release(p, self.status, sent=sent, charged_tokens=charged)
+
+    def finish(self, usage: dict[str, Any] | None = None, status: int | None = None) -> None:
+        """The request ended (`status`: what the client got, when it says more, e.g. a 504
+        stall mid-stream)."""
+        if status in (503, 504):
+            self.status = status
+        self._release(usage, sent=True)
+        if self.grant is not None:
+            self.grant.finish(self.cost.charged(usage))
+            self.grant = None
