@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import aiohttp
 
+from tokenpipe.control.traffic import Ticket
 from tokenpipe.errors import GatewayError
 from tokenpipe.upstream.http import HttpUpstream
 
@@ -29,14 +30,24 @@ class Router:
         return found
 
     async def open(
-        self, model: str, path: str, body: bytes, request_id: str
+        self, model: str, path: str, body: bytes, request_id: str, ticket: Ticket | None = None
     ) -> tuple[HttpUpstream, aiohttp.ClientResponse]:
+        """`ticket`: the request's passage through the upstream limiters (waits for capacity
+        before each send, learns from the response headers)."""
         last: GatewayError | None = None
         for upstream in await self.candidates(model):
+            if ticket is not None:
+                await ticket.acquire(upstream.name)  # 429 when no capacity within the deadline
             try:
-                return upstream, await upstream.post(path, body, request_id)
+                resp = await upstream.post(path, body, request_id)
             except GatewayError as e:
+                if ticket is not None:
+                    ticket.failed(e.status)
                 last = e
+                continue
+            if ticket is not None:
+                await ticket.arrived(resp.status, resp.headers)
+            return upstream, resp
         assert last is not None
         raise last
 

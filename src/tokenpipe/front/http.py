@@ -19,6 +19,7 @@ from aiohttp import web
 
 from tokenpipe import sse
 from tokenpipe.context.budget import CONTEXT, ContextBudget
+from tokenpipe.control.traffic import TrafficControl
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
 from tokenpipe.front.auth import Authenticator
@@ -44,6 +45,7 @@ SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
 ROUTER: web.AppKey[Router] = web.AppKey("router", Router)
 AUTH: web.AppKey[Authenticator] = web.AppKey("auth", Authenticator)
 STATE: web.AppKey[dict[str, Any]] = web.AppKey("state", dict)
+TRAFFIC: web.AppKey[TrafficControl] = web.AppKey("traffic", TrafficControl)
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -61,7 +63,7 @@ def error_response(e: GatewayError, request_id: str | None = None) -> web.Respon
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every error leaves as OpenAI-shaped JSON: ours, aiohttp's (404/405/413), or a bug's."""
     try:
-        return await handler(request)  # type: ignore[no-any-return]
+        return await handler(request)
     except GatewayError as e:
         return error_response(e, request.get("request_id"))
     except web.HTTPException as e:
@@ -119,7 +121,7 @@ async def _completion(
     started = time.perf_counter()
     app = request.app
     rid = _request_id(request)
-    app[AUTH].check(request.headers.get("Authorization"))
+    key = app[AUTH].check(request.headers.get("Authorization"))
     body = await _read_body(request, app[SETTINGS].server.max_body_bytes)
     req, obj = schema.parse(body, kind)
     ctx = await app[CONTEXT].apply(kind, req, obj, request.headers)  # may shorten the request
@@ -135,7 +137,14 @@ async def _completion(
             obj["stream_options"] = opts
             body = orjson.dumps(obj)
             strip_usage = True
-    upstream, uresp = await app[ROUTER].open(req.model, path, body, rid)
+    # Per-key quota (429 when over; it needs the token count, so it follows the parse), then
+    # the upstream limiter inside open(): waits for capacity, learns from the answer.
+    ticket = await app[TRAFFIC].admit(key, obj)
+    try:
+        upstream, uresp = await app[ROUTER].open(req.model, path, body, rid, ticket)
+    except BaseException:
+        ticket.finish()
+        raise
     tally = StreamTally(upstream.name, req.model, started)
     gauge = metrics.INFLIGHT.labels(upstream.name, req.model)
     gauge.inc()
@@ -145,15 +154,17 @@ async def _completion(
             status, response = await _unary(uresp, tally, rid)
             response.headers.update(ctx.headers)
             return response
-        response = web.StreamResponse(status=200, headers={**_SSE_HEADERS, "x-request-id": rid,
-                                                           **ctx.headers})
-        await response.prepare(request)
-        status = await _relay_stream(uresp, response, SSERelay(tally, strip_usage))
-        return response
+        sse_response = web.StreamResponse(
+            status=200, headers={**_SSE_HEADERS, "x-request-id": rid, **ctx.headers}
+        )
+        await sse_response.prepare(request)
+        status = await _relay_stream(uresp, sse_response, SSERelay(tally, strip_usage))
+        return sse_response
     finally:
         uresp.close()  # at once: a client that went away must not keep the upstream busy
         gauge.dec()
         tally.finish(status)
+        ticket.finish(tally.usage, status)
         ctx.observe(tally.usage)
 
 
@@ -284,4 +295,14 @@ def build_app(settings: Settings, router: Router) -> web.Application:
         await router.close()
 
     app.on_cleanup.append(close_router)
+    traffic = app[TRAFFIC] = TrafficControl(settings)
+
+    async def start_traffic(app: web.Application) -> None:
+        await traffic.start()
+
+    async def close_traffic(app: web.Application) -> None:
+        await traffic.close()
+
+    app.on_startup.append(start_traffic)
+    app.on_cleanup.append(close_traffic)
     return app
