@@ -1,0 +1,61 @@
+"""The floor for any Python gateway: a byte-forwarding aiohttp relay, no parsing, no metrics.
+
+python benchmarks/bare_relay.py --upstream http://127.0.0.1:9000 --port 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from tokenpipe import serving
+
+
+def app(upstream: str) -> web.Application:
+    session: aiohttp.ClientSession | None = None
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        nonlocal session
+        if session is None:
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
+        body = await request.read()
+        async with session.post(
+            upstream + request.path, data=body, headers={"content-type": "application/json"}
+        ) as up:
+            resp = web.StreamResponse(
+                status=up.status, headers={"content-type": up.headers["content-type"]}
+            )
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    a = web.Application()
+    a.router.add_post("/v1/chat/completions", relay)
+    a.router.add_post("/v1/completions", relay)
+    return a
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--upstream", required=True, help="sim base URL without /v1")
+    p.add_argument("--port", type=int, default=0)
+    args = p.parse_args()
+    serving.run(
+        serving.serve(
+            app(args.upstream.rstrip("/")),
+            "127.0.0.1",
+            args.port,
+            drain_seconds=1,
+            name="bare relay",
+        )
+    )
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    main()

@@ -1,0 +1,284 @@
+"""What a gateway costs: the client directly against the sim, through a bare byte-forwarding
+relay (the floor for any Python gateway), through tokenpipe, and through LiteLLM's proxy.
+
+All targets share one sim and run interleaved (round r runs the targets in a rotated order), so
+machine noise lands on every target alike. Prints a table and writes JSON.
+
+    python benchmarks/overhead.py                      # paced (200 tokens/s/stream) and unpaced
+    python benchmarks/overhead.py --litellm off --concurrency 64 --rounds 5
+
+LiteLLM is installed on first use into .cache/litellm-venv (its own venv: its pins must not
+touch ours); `--litellm off` skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tokenpipe.bench import Summary, run_load
+from tokenpipe.bench.procs import Service
+from tokenpipe.serving import install_uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+LITELLM_VENV = ROOT / ".cache" / "litellm-venv"
+MODEL = "sim-model"
+
+
+@dataclass
+class Target:
+    name: str
+    url: str  # base URL with /v1
+    pid: int | None  # the process whose CPU is the gateway's cost (None: direct)
+    summary: Summary = field(default_factory=Summary)
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+
+def _cpu(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    p = psutil.Process(pid)
+    total = sum(p.cpu_times()[:2])
+    for child in p.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
+    """Starts LiteLLM's proxy (installing it first if needed); None when it cannot run."""
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists():
+        print("installing LiteLLM proxy into .cache/litellm-venv (one-off) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        r = subprocess.run(
+            [str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=False
+        )
+        if r.returncode != 0 or not exe.exists():
+            print("LiteLLM could not be installed; skipping it", flush=True)
+            return None
+    cfg = ROOT / ".cache" / "litellm-overhead.yaml"
+    cfg.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: {sim_url}/v1\n"
+        "      api_key: sk-none\n"
+        "litellm_settings:\n"
+        "  num_retries: 0\n"
+    )
+    env = {**os.environ, "LITELLM_LOG": "ERROR"}
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "--config",
+            str(cfg),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--num_workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            print("LiteLLM exited at start; skipping it", flush=True)
+            return None
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/liveliness", timeout=1):
+                return proc
+        except OSError:
+            time.sleep(0.5)  # a child's start-up, not test synchronisation
+    proc.kill()
+    print("LiteLLM did not start within 180 s; skipping it", flush=True)
+    return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _run_target(t: Target, concurrency: int, requests: int, max_tokens: int) -> None:
+    cpu0 = _cpu(t.pid)
+    result = await run_load(
+        t.url,
+        MODEL,
+        concurrency=concurrency,
+        requests=requests,
+        max_tokens=max_tokens,
+        prompt_tokens=32,
+        label=t.name,
+    )
+    t.cpu_s += _cpu(t.pid) - cpu0
+    t.wall_s += result.wall_s
+    t.summary.merge(result.summary())
+
+
+def _row(t: Target, base: Target) -> dict[str, Any]:
+    s = t.summary
+    s.wall_s = t.wall_s
+    j = s.to_json()
+    b = base.summary.to_json()
+    tps = j["output_tokens_per_s"] or 0.0
+    return {
+        "target": t.name,
+        "ttft_p50_ms": j["ttft_ms"]["p50"],
+        "ttft_p99_ms": j["ttft_ms"]["p99"],
+        "added_ttft_p50_ms": j["ttft_ms"]["p50"] - b["ttft_ms"]["p50"],
+        "added_ttft_p99_ms": j["ttft_ms"]["p99"] - b["ttft_ms"]["p99"],
+        "itl_p50_ms": j["itl_chunk_ms"]["p50"],
+        "itl_p99_ms": j["itl_chunk_ms"]["p99"],
+        "tokens_per_s": tps,
+        "tokens_per_s_vs_direct": tps / (b["output_tokens_per_s"] or 1.0),
+        "cpu_s_per_1k_tokens": (t.cpu_s / s.output_tokens * 1000) if s.output_tokens else None,
+        "requests_ok": j["requests_ok"],
+        "requests_failed": j["requests_failed"],
+    }
+
+
+def _print(pace: str, concurrency: int, rows: list[dict[str, Any]]) -> None:
+    print(f"\n== {pace}, concurrency {concurrency} ==")
+    head = (
+        f"{'target':<11} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
+        f"{'ITL p50':>8} {'p99':>7} {'tok/s':>9} {'x direct':>8} {'CPU s/1k':>8} {'fail':>5}"
+    )
+    print(head)
+    for r in rows:
+        cpu = r["cpu_s_per_1k_tokens"]
+        print(
+            f"{r['target']:<11} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:8.2f} "
+            f"{r['added_ttft_p50_ms']:7.2f} {r['added_ttft_p99_ms']:7.2f} "
+            f"{r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:7.2f} {r['tokens_per_s']:9.0f} "
+            f"{r['tokens_per_s_vs_direct']:8.2f} {'-' if cpu is None else f'{cpu:8.3f}':>8} "
+            f"{r['requests_failed']:5d}"
+        )
+
+
+async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    itl = "5" if pace == "paced" else "0"  # 200 tokens/s per stream, or as fast as possible
+    out: list[dict[str, Any]] = []
+    with (
+        Service(
+            "sim", "--port", "0", "--ttft-ms", str(args.ttft_ms), "--itl-ms", itl, name="sim"
+        ) as sim,
+        Service(
+            argv=[
+                sys.executable,
+                str(ROOT / "benchmarks" / "bare_relay.py"),
+                "--upstream",
+                sim.url,
+            ],
+            name="bare-relay",
+        ) as relay,
+        Service(
+            "serve",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--upstream",
+            sim.url + "/v1",
+            "--log-level",
+            "warning",
+            name="gateway",
+        ) as gw,
+    ):
+        litellm = None
+        if args.litellm != "off":
+            port = _free_port()
+            litellm = _litellm(sim.url, port)
+        try:
+            for concurrency in args.concurrency:
+                targets = [
+                    Target("direct", sim.url + "/v1", None),
+                    Target("bare-relay", relay.url + "/v1", relay.pid),
+                    Target("tokenpipe", gw.url + "/v1", gw.pid),
+                ]
+                if litellm is not None:
+                    targets.append(Target("litellm", f"http://127.0.0.1:{port}/v1", litellm.pid))
+                requests = concurrency * args.requests_per_user
+                for t in targets:  # warm-up: connections, caches, JIT-free but lazy imports
+                    await run_load(
+                        t.url,
+                        MODEL,
+                        concurrency=concurrency,
+                        requests=concurrency,
+                        max_tokens=8,
+                        prompt_tokens=32,
+                    )
+                for r in range(args.rounds):
+                    order = targets[r % len(targets) :] + targets[: r % len(targets)]
+                    for t in order:
+                        print(
+                            f"  {pace} c={concurrency} round {r + 1}/{args.rounds} {t.name}",
+                            flush=True,
+                        )
+                        await _run_target(t, concurrency, requests, args.max_tokens)
+                rows = [_row(t, targets[0]) for t in targets]
+                _print(pace, concurrency, rows)
+                out.append({"pace": pace, "concurrency": concurrency, "rows": rows})
+        finally:
+            if litellm is not None:
+                litellm.terminate()
+                litellm.wait(10)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64]
+    )
+    p.add_argument("--pace", default="paced,unpaced", help="paced, unpaced or both")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests-per-user", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=100)
+    p.add_argument("--ttft-ms", type=float, default=20.0)
+    p.add_argument("--litellm", choices=["auto", "off"], default="auto")
+    p.add_argument("--json", default=str(ROOT / "results" / "overhead.json"))
+    args = p.parse_args()
+    install_uvloop()
+    results: list[dict[str, Any]] = []
+    for pace in args.pace.split(","):
+        results += asyncio.run(_bench_pace(pace, args))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "benchmark": "overhead",
+                "args": vars(args),
+                "cpus": os.cpu_count(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
