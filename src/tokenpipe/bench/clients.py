@@ -115,7 +115,7 @@ class SSEClient:
         conn = aiohttp.TCPConnector(
             limit=self.connections,
             force_close=self.force_close,
-            ttl_dns_cache=None if self.force_close else 10,
+            use_dns_cache=not self.force_close,
         )
         self.session = aiohttp.ClientSession(
             connector=conn,

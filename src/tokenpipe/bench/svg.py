@@ -175,9 +175,11 @@ def lines(
             f.add(f'<circle cx="{f.sx(x):.1f}" cy="{f.sy(y):.1f}" r="3" fill="{color}"/>')
     if fit is not None:
         slope, intercept = fit
+        # Clip the line to the frame: it ends where it leaves the top edge.
+        x_end = xmax if slope <= 0 else min(xmax, max(0.0, (ymax - intercept) / slope))
         f.add(
-            f'<line x1="{f.sx(0):.1f}" y1="{f.sy(max(0.0, intercept)):.1f}" '
-            f'x2="{f.sx(xmax):.1f}" y2="{f.sy(min(ymax, intercept + slope * xmax)):.1f}" '
+            f'<line x1="{f.sx(0):.1f}" y1="{f.sy(min(ymax, max(0.0, intercept))):.1f}" '
+            f'x2="{f.sx(x_end):.1f}" y2="{f.sy(min(ymax, max(0.0, intercept + slope * x_end))):.1f}" '
             f'stroke="#111" stroke-dasharray="5 4"/>'
         )
     if len(series) > 1 or fit is not None:

@@ -1,0 +1,185 @@
+"""`tokenpipe doctor`: the diagnosis tool's command line."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import sys
+from pathlib import Path
+
+import click
+import orjson
+
+from tokenpipe.cli import main
+
+
+@main.command("doctor")
+@click.argument("url")
+@click.option("--model", default="sim-model", show_default=True)
+@click.option(
+    "--requests",
+    "n_requests",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Traced requests (each on a fresh connection).",
+)
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--prompt-tokens", type=int, default=32, show_default=True)
+@click.option("--temperature", type=float, default=None)
+@click.option(
+    "--sweep",
+    default="16,32,64,128",
+    show_default=True,
+    help="Output lengths for the latency-vs-length fit ('' for none).",
+)
+@click.option("--sweep-repeats", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--streams",
+    type=click.IntRange(min=0),
+    default=4,
+    show_default=True,
+    help="Concurrent streams of the shared-connection (HOL) probe; 0: none.",
+)
+@click.option("--h2c", is_flag=True, help="HTTP/2 over http:// with prior knowledge.")
+@click.option(
+    "--stall-factor",
+    type=float,
+    default=8.0,
+    show_default=True,
+    help="A gap over this x the median chunk gap (and --stall-min-ms) is a stall.",
+)
+@click.option("--stall-min-ms", type=float, default=100.0, show_default=True)
+@click.option("--slow-first-token-ms", type=float, default=500.0, show_default=True)
+@click.option(
+    "--header",
+    "headers",
+    multiple=True,
+    metavar="NAME:VALUE",
+    help="Extra request header (repeat), e.g. x-sim-fault:stall:10:500.",
+)
+@click.option(
+    "--api-key",
+    envvar="TOKENPIPE_API_KEY",
+    default=None,
+    help="Bearer key (or env TOKENPIPE_API_KEY). Never printed.",
+)
+@click.option(
+    "--profile",
+    "profile_pid",
+    type=int,
+    default=None,
+    metavar="PID",
+    help="Record a py-spy flame graph of this (tokenpipe) process meanwhile.",
+)
+@click.option(
+    "--profile-out", type=click.Path(dir_okay=False), default="doctor-flame.svg", show_default=True
+)
+@click.option(
+    "--profile-seconds",
+    type=float,
+    default=None,
+    help="How long to sample.  [default: while the doctor runs, estimated]",
+)
+@click.option("--timeout", type=float, default=300.0, show_default=True)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Write phases_ms, findings and the raw timings as JSON.",
+)
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE")
+def doctor(
+    url: str,
+    model: str,
+    n_requests: int,
+    max_tokens: int,
+    prompt_tokens: int,
+    temperature: float | None,
+    sweep: str,
+    sweep_repeats: int,
+    streams: int,
+    h2c: bool,
+    stall_factor: float,
+    stall_min_ms: float,
+    slow_first_token_ms: float,
+    headers: tuple[str, ...],
+    api_key: str | None,
+    profile_pid: int | None,
+    profile_out: str,
+    profile_seconds: float | None,
+    timeout: float,
+    json_path: str | None,
+    html_path: str | None,
+) -> None:
+    """Explain where one streaming request's latency goes, and name what is wrong.
+
+    \b
+    Waterfall: dns, connect, tls, request_sent, headers, first_token, decode, tail
+    (+ server_queue/limiter_wait/prefill/decode when the server reports them).
+    Findings: stall, slow_first_token, chunking, queueing, slow_dns, slow_tls,
+    hol_blocking, superlinear_output_scaling, each with its evidence.
+    """
+    from tokenpipe.doctor import render
+    from tokenpipe.doctor.findings import Thresholds
+    from tokenpipe.doctor.profile import FlameGraph, ProfilerUnavailable
+    from tokenpipe.doctor.run import DoctorOptions, diagnose
+    from tokenpipe.serving import install_uvloop
+
+    hdrs: dict[str, str] = {}
+    for h in headers:
+        name, sep, value = h.partition(":")
+        if not sep:
+            raise click.UsageError(f"--header {h!r}: use NAME:VALUE")
+        hdrs[name.strip()] = value.strip()
+    try:
+        lengths = [int(x) for x in sweep.split(",") if x.strip()]
+    except ValueError:
+        raise click.UsageError("--sweep takes integers, e.g. 16,32,64,128") from None
+    opts = DoctorOptions(
+        url=url,
+        model=model,
+        requests=n_requests,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        headers=hdrs,
+        api_key=api_key,
+        sweep=lengths,
+        sweep_repeats=sweep_repeats,
+        hol_streams=streams,
+        h2c=h2c,
+        thresholds=Thresholds(
+            stall_factor=stall_factor,
+            stall_min_ms=stall_min_ms,
+            slow_first_token_ms=slow_first_token_ms,
+        ),
+        timeout_s=timeout,
+    )
+    flame = None
+    if profile_pid is not None:
+        seconds = profile_seconds or 10.0
+        try:
+            flame = FlameGraph(profile_pid, profile_out, seconds)
+        except ProfilerUnavailable as e:
+            click.echo(f"tokenpipe doctor: {e}", err=True)
+    install_uvloop()
+    report = asyncio.run(diagnose(opts))
+    if flame is not None:
+        try:
+            report.profile_svg = str(flame.wait(timeout_s=(profile_seconds or 10.0) + 60))
+        except ProfilerUnavailable as e:
+            report.notes.append(str(e))
+    render.print_text(report)
+    command = "tokenpipe doctor " + shlex.join(sys.argv[2:])
+    if json_path:
+        doc = report.to_json()
+        doc["command"] = command
+        Path(json_path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        click.echo(f"wrote {json_path}")
+    if html_path:
+        Path(html_path).write_text(render.render_html(report, command))
+        click.echo(f"wrote {html_path}")
+    if report.shown is None:
+        sys.exit(1)
