@@ -31,10 +31,10 @@ def conversation(turns: int, words: int = 18, tag: str = "t") -> list[dict[str, 
     """`turns` user/assistant pairs of `words` words each, then a final user question."""
     msgs: list[dict[str, Any]] = [SYSTEM]
     for t in range(turns):
-        msgs.append({"role": "user",
-                     "content": " ".join(f"{tag}{t}q{i}" for i in range(words))})
-        msgs.append({"role": "assistant",
-                     "content": " ".join(f"{tag}{t}a{i}" for i in range(words))})
+        msgs.append({"role": "user", "content": " ".join(f"{tag}{t}q{i}" for i in range(words))})
+        msgs.append(
+            {"role": "assistant", "content": " ".join(f"{tag}{t}a{i}" for i in range(words))}
+        )
     msgs.append({"role": "user", "content": f"and now the last question {tag} zeta omega"})
     return msgs
 
@@ -45,17 +45,31 @@ def sim_tokens(messages: list[dict[str, Any]]) -> int:
 
 @pytest.fixture(scope="module")
 def sims() -> Iterator[tuple[procs.Service, procs.Service]]:
-    fast = procs.sim("--ttft-ms", "2", "--itl-ms", "0", "--model", "small-window",
-                     "--model", "summarized", "--model", "fallback", "--model", "unbudgeted",
-                     "--model", "big-summarizer")
+    fast = procs.sim(
+        "--ttft-ms",
+        "2",
+        "--itl-ms",
+        "0",
+        "--model",
+        "small-window",
+        "--model",
+        "summarized",
+        "--model",
+        "fallback",
+        "--model",
+        "unbudgeted",
+        "--model",
+        "big-summarizer",
+    )
     slow = procs.sim("--ttft-ms", "5000", "--itl-ms", "0", "--model", "slow-summarizer")
     with fast, slow:
         yield fast, slow
 
 
 @pytest.fixture(scope="module")
-def gateway(sims: tuple[procs.Service, procs.Service],
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[procs.Service]:
+def gateway(
+    sims: tuple[procs.Service, procs.Service], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[procs.Service]:
     fast, slow = sims
     config = {
         "upstreams": [
@@ -85,18 +99,24 @@ def gateway(sims: tuple[procs.Service, procs.Service],
 
 
 @pytest.fixture(scope="module")
-def slow_gateway(sims: tuple[procs.Service, procs.Service],
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[procs.Service]:
+def slow_gateway(
+    sims: tuple[procs.Service, procs.Service], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[procs.Service]:
     fast, slow = sims
     config = {
         "upstreams": [
             {"name": "slow", "url": slow.url + "/v1", "models": ["slow-summarizer"]},
             {"name": "fast", "url": fast.url + "/v1"},
         ],
-        "context": {"policy": "summarize", "summarizer_model": "slow-summarizer",
-                    "summary_deadline_seconds": 0.3, "margin_tokens": 8,
-                    "reserve_output_tokens": 64, "min_output_tokens": 16,
-                    "models": [{"name": "fallback", "window": WINDOW}]},
+        "context": {
+            "policy": "summarize",
+            "summarizer_model": "slow-summarizer",
+            "summary_deadline_seconds": 0.3,
+            "margin_tokens": 8,
+            "reserve_output_tokens": 64,
+            "min_output_tokens": 16,
+            "models": [{"name": "fallback", "window": WINDOW}],
+        },
     }
     path = tmp_path_factory.mktemp("context-slow") / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -104,12 +124,20 @@ def slow_gateway(sims: tuple[procs.Service, procs.Service],
         yield g
 
 
-def chat(gw: procs.Service, model: str, messages: list[dict[str, Any]],
-         headers: dict[str, str] | None = None, **extra: Any) -> tuple[httpx.Response, str]:
+def chat(
+    gw: procs.Service,
+    model: str,
+    messages: list[dict[str, Any]],
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> tuple[httpx.Response, str]:
     rid = f"ctx-test-{next(_ids)}"
-    r = httpx.post(gw.url + "/v1/chat/completions",
-                   json={"model": model, "messages": messages, **extra},
-                   headers={"x-request-id": rid, **(headers or {})}, timeout=30)
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        json={"model": model, "messages": messages, **extra},
+        headers={"x-request-id": rid, **(headers or {})},
+        timeout=30,
+    )
     return r, rid
 
 
@@ -122,9 +150,9 @@ def expected_answer(last_message: str, n: int) -> str:
     return "".join(islice(sim_text.words(0, last_message), n))
 
 
-def test_request_that_fits_is_forwarded_unchanged(gateway: procs.Service,
-                                                  sims: tuple[procs.Service, procs.Service]
-                                                  ) -> None:
+def test_request_that_fits_is_forwarded_unchanged(
+    gateway: procs.Service, sims: tuple[procs.Service, procs.Service]
+) -> None:
     msgs = conversation(3)
     r, rid = chat(gateway, "small-window", msgs, max_tokens=20)
     assert r.status_code == 200, r.text
@@ -136,10 +164,11 @@ def test_request_that_fits_is_forwarded_unchanged(gateway: procs.Service,
 
 
 def test_max_tokens_is_lowered_to_what_fits_instead_of_a_400(
-        gateway: procs.Service, sims: tuple[procs.Service, procs.Service]) -> None:
+    gateway: procs.Service, sims: tuple[procs.Service, procs.Service]
+) -> None:
     msgs = conversation(6)  # ~260 tokens: fits, but not with 500 more
     assert sim_tokens(msgs) + 500 > WINDOW
-    r, rid = chat(gateway, "small-window", msgs, max_tokens=500)
+    r, _ = chat(gateway, "small-window", msgs, max_tokens=500)
     assert r.status_code == 200, r.text
     lowered = int(r.headers["x-tokenpipe-max-tokens"])
     assert 16 <= lowered < 500
@@ -150,7 +179,8 @@ def test_max_tokens_is_lowered_to_what_fits_instead_of_a_400(
 
 
 def test_40_turn_conversation_is_truncated_to_the_window_keeping_system_and_newest(
-        gateway: procs.Service, sims: tuple[procs.Service, procs.Service]) -> None:
+    gateway: procs.Service, sims: tuple[procs.Service, procs.Service]
+) -> None:
     msgs = conversation(40)
     assert sim_tokens(msgs) > 2.5 * WINDOW
     r, rid = chat(gateway, "small-window", msgs, max_tokens=30)
@@ -164,15 +194,22 @@ def test_40_turn_conversation_is_truncated_to_the_window_keeping_system_and_newe
     assert answer == expected_answer(msgs[-1]["content"], 30)
     dropped = int(report.split("dropped_messages=")[1].split(";")[0])
     assert dropped > 0 and dropped % 2 == 0  # whole user/assistant turns
-    kept_tokens = sim_tokens(msgs) - sum(len(m["content"].split()) + 4 for m in msgs[1:1 + dropped])
+    kept_tokens = sim_tokens(msgs) - sum(
+        len(m["content"].split()) + 4 for m in msgs[1 : 1 + dropped]
+    )
     assert rec["prompt_tokens"] == kept_tokens  # system message + the newest turns, nothing else
 
 
 def test_streamed_40_turn_conversation_is_truncated_and_reports_in_headers(
-        gateway: procs.Service) -> None:
+    gateway: procs.Service,
+) -> None:
     msgs = conversation(40, tag="s")
-    with httpx.stream("POST", gateway.url + "/v1/chat/completions", timeout=30,
-                      json={"model": "small-window", "messages": msgs, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        gateway.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "small-window", "messages": msgs, "stream": True},
+    ) as r:
         assert r.status_code == 200
         assert r.headers["x-tokenpipe-context"].startswith("policy=truncate;")
         body = r.read().decode()
@@ -180,7 +217,8 @@ def test_streamed_40_turn_conversation_is_truncated_and_reports_in_headers(
 
 
 def test_40_turn_conversation_is_summarized_and_next_turn_summarizes_only_new_part(
-        gateway: procs.Service, sims: tuple[procs.Service, procs.Service]) -> None:
+    gateway: procs.Service, sims: tuple[procs.Service, procs.Service]
+) -> None:
     fast = sims[0]
     before = set(records(fast))
     msgs = conversation(40, tag="m")
@@ -196,16 +234,20 @@ def test_40_turn_conversation_is_summarized_and_next_turn_summarizes_only_new_pa
     # The last message was kept, and kept last. (The summary may have left less than 30
     # tokens of room: then max_tokens was lowered, and says so.)
     n_out = int(r.headers.get("x-tokenpipe-max-tokens", 30))
-    assert r.json()["choices"][0]["message"]["content"] == \
-        expected_answer(msgs[-1]["content"], n_out)
+    assert r.json()["choices"][0]["message"]["content"] == expected_answer(
+        msgs[-1]["content"], n_out
+    )
 
     # Next turn: the answer and one more question. Only the newly dropped turns (and the
     # cached summary) go to the summarizer.
-    nxt = [*msgs, r.json()["choices"][0]["message"],
-           {"role": "user", "content": "one more question please about it"}]
+    nxt = [
+        *msgs,
+        r.json()["choices"][0]["message"],
+        {"role": "user", "content": "one more question please about it"},
+    ]
     nxt[-2] = {"role": "assistant", "content": nxt[-2]["content"]}
     before = set(records(fast))
-    r2, rid2 = chat(gateway, "summarized", nxt, max_tokens=30)
+    r2, _ = chat(gateway, "summarized", nxt, max_tokens=30)
     assert r2.status_code == 200, r2.text
     assert r2.headers["x-tokenpipe-context"].endswith("summary=extended")
     recs = records(fast)
@@ -224,7 +266,8 @@ def test_40_turn_conversation_is_summarized_and_next_turn_summarizes_only_new_pa
 
 
 def test_slow_summary_falls_back_to_truncation_within_its_deadline(
-        slow_gateway: procs.Service) -> None:
+    slow_gateway: procs.Service,
+) -> None:
     msgs = conversation(40, tag="f")
     started = time.monotonic()
     r, _ = chat(slow_gateway, "fallback", msgs, max_tokens=30)
@@ -239,7 +282,8 @@ def test_slow_summary_falls_back_to_truncation_within_its_deadline(
 
 
 def test_prompt_that_cannot_fit_is_answered_400_context_length_exceeded(
-        gateway: procs.Service, sims: tuple[procs.Service, procs.Service]) -> None:
+    gateway: procs.Service, sims: tuple[procs.Service, procs.Service]
+) -> None:
     msgs = [SYSTEM, {"role": "user", "content": "word " * (3 * WINDOW)}]
     r, rid = chat(gateway, "small-window", msgs)
     assert r.status_code == 400
@@ -248,17 +292,20 @@ def test_prompt_that_cannot_fit_is_answered_400_context_length_exceeded(
 
 
 def test_policy_off_per_request_forwards_an_overflowing_request_untouched(
-        gateway: procs.Service, sims: tuple[procs.Service, procs.Service]) -> None:
+    gateway: procs.Service, sims: tuple[procs.Service, procs.Service]
+) -> None:
     msgs = conversation(40, tag="o")
-    r, rid = chat(gateway, "small-window", msgs, max_tokens=5,
-                  headers={"x-tokenpipe-context-policy": "off"})
+    r, rid = chat(
+        gateway, "small-window", msgs, max_tokens=5, headers={"x-tokenpipe-context-policy": "off"}
+    )
     assert r.status_code == 200
     assert "x-tokenpipe-context" not in r.headers
     assert records(sims[0])[rid]["prompt_tokens"] == sim_tokens(msgs)
 
 
 def test_model_without_a_known_window_is_never_budgeted(
-        gateway: procs.Service, sims: tuple[procs.Service, procs.Service]) -> None:
+    gateway: procs.Service, sims: tuple[procs.Service, procs.Service]
+) -> None:
     msgs = conversation(40, tag="u")
     r, rid = chat(gateway, "unbudgeted", msgs, max_tokens=5)
     assert r.status_code == 200
@@ -268,6 +315,9 @@ def test_model_without_a_known_window_is_never_budgeted(
 def test_compression_is_counted_in_metrics(gateway: procs.Service) -> None:
     chat(gateway, "small-window", conversation(40, tag="x"), max_tokens=10)
     text = httpx.get(gateway.url + "/metrics").text
-    saved = [line for line in text.splitlines()
-             if line.startswith('tokenpipe_context_tokens_saved_total{policy="truncate"}')]
+    saved = [
+        line
+        for line in text.splitlines()
+        if line.startswith('tokenpipe_context_tokens_saved_total{policy="truncate"}')
+    ]
     assert saved and float(saved[0].split()[-1]) > 1000

@@ -51,8 +51,12 @@ class ContextOutcome:
 
     __slots__ = ("_calibrate", "body", "headers")
 
-    def __init__(self, body: bytes | None = None, headers: dict[str, str] | None = None,
-                 calibrate: tuple[tokens.Estimator, int, int] | None = None) -> None:
+    def __init__(
+        self,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        calibrate: tuple[tokens.Estimator, int, int] | None = None,
+    ) -> None:
         self.body = body
         self.headers = headers or {}
         self._calibrate = calibrate
@@ -86,8 +90,12 @@ class ContextBudget:
         asked = headers.get(POLICY_HEADER)
         if asked is not None:
             if asked not in POLICIES:
-                raise GatewayError(400, f"{POLICY_HEADER} must be one of {', '.join(POLICIES)}.",
-                                   param=POLICY_HEADER, code="invalid_request")
+                raise GatewayError(
+                    400,
+                    f"{POLICY_HEADER} must be one of {', '.join(POLICIES)}.",
+                    param=POLICY_HEADER,
+                    code="invalid_request",
+                )
             return asked
         cfg = self.models.get(model)
         return (cfg.policy if cfg and cfg.policy else None) or self.settings.policy
@@ -138,8 +146,9 @@ class ContextBudget:
 
     # -- the hop ---------------------------------------------------------------------------
 
-    async def apply(self, kind: type[Any], req: Any, obj: dict[str, Any],
-                    headers: Mapping[str, str]) -> ContextOutcome:
+    async def apply(
+        self, kind: type[Any], req: Any, obj: dict[str, Any], headers: Mapping[str, str]
+    ) -> ContextOutcome:
         """Fits `obj` (the request as sent, changed in place) into the model's window."""
         policy = self.policy(req.model, headers)
         if policy == "off":
@@ -157,11 +166,16 @@ class ContextBudget:
         margin = s.margin_tokens
         if not counter.exact:
             margin += math.ceil(s.estimate_margin * prompt)
-        return plan.Limits(window=window, margin=margin, reserve_output=s.reserve_output_tokens,
-                           min_output=s.min_output_tokens)
+        return plan.Limits(
+            window=window,
+            margin=margin,
+            reserve_output=s.reserve_output_tokens,
+            min_output=s.min_output_tokens,
+        )
 
-    def _text(self, req: Any, obj: dict[str, Any], counter: tokens.TokenCounter,
-              window: int) -> ContextOutcome:
+    def _text(
+        self, req: Any, obj: dict[str, Any], counter: tokens.TokenCounter, window: int
+    ) -> ContextOutcome:
         p = obj.get("prompt")
         if isinstance(p, str):
             prompt, chars = counter.count(p), len(p)
@@ -177,30 +191,35 @@ class ContextBudget:
             raise _too_long(window, prompt)
         obj["max_tokens"] = d.max_tokens
         metrics.CONTEXT_MAX_TOKENS_LOWERED.inc()
-        return ContextOutcome(orjson.dumps(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)},
-                              calibrate)
+        return ContextOutcome(orjson.dumps(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)}, calibrate)
 
     @staticmethod
-    def _calibration(counter: tokens.TokenCounter, chars: int, overhead: int
-                     ) -> tuple[tokens.Estimator, int, int] | None:
+    def _calibration(
+        counter: tokens.TokenCounter, chars: int, overhead: int
+    ) -> tuple[tokens.Estimator, int, int] | None:
         return (counter, chars, overhead) if isinstance(counter, tokens.Estimator) else None
 
-    async def _chat(self, req: Any, obj: dict[str, Any], counter: tokens.TokenCounter,
-                    window: int, policy: str) -> ContextOutcome:
+    async def _chat(
+        self, req: Any, obj: dict[str, Any], counter: tokens.TokenCounter, window: int, policy: str
+    ) -> ContextOutcome:
         messages: list[dict[str, Any]] = obj["messages"]
         costs = tokens.count_messages(counter, messages)
         reply = counter.chat.reply
         chars = sum(len(tokens.message_text(m)) for m in messages)
         calibrate = self._calibration(
-            counter, chars, counter.chat.per_message * len(messages) + reply)
+            counter, chars, counter.chat.per_message * len(messages) + reply
+        )
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens or req.max_tokens
         prompt = sum(costs) + reply
         limits = self._limits(window, counter, prompt)
         extra = 0
         if policy == "summarize":
-            extra = self.settings.summary_max_tokens + counter.chat.per_message + \
-                counter.count(summary.SUMMARY_PREFIX)
+            extra = (
+                self.settings.summary_max_tokens
+                + counter.chat.per_message
+                + counter.count(summary.SUMMARY_PREFIX)
+            )
         d = plan.decide(messages, costs, reply, max_tokens, limits, extra=extra)
         out_headers: dict[str, str] = {}
         if d.action == "fits":
@@ -210,8 +229,9 @@ class ContextBudget:
         if d.action == "lower":
             obj[field] = d.max_tokens
             metrics.CONTEXT_MAX_TOKENS_LOWERED.inc()
-            return ContextOutcome(orjson.dumps(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)},
-                                  calibrate)
+            return ContextOutcome(
+                orjson.dumps(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)}, calibrate
+            )
 
         system, older, kept = plan.split(messages, d.keep_from)
         done = "truncate"
@@ -221,8 +241,9 @@ class ContextBudget:
             text, note = await self._summary(req.model, messages, older)
             if text is not None:
                 done = "summarize"
-                at = next((i for i, m in enumerate(messages) if m.get("role")
-                           not in plan.KEPT_ROLES), 0)  # after the leading system messages
+                at = next(
+                    (i for i, m in enumerate(messages) if m.get("role") not in plan.KEPT_ROLES), 0
+                )  # after the leading system messages
                 lead = messages[:at]  # all system/developer messages
                 rest = [m for m in messages[at:] if m.get("role") in plan.KEPT_ROLES]
                 note_msg = {"role": "system", "content": summary.SUMMARY_PREFIX + text}
@@ -238,16 +259,18 @@ class ContextBudget:
             obj[field] = room
             out_headers[MAX_TOKENS_HEADER] = str(room)
             metrics.CONTEXT_MAX_TOKENS_LOWERED.inc()
-        report = (f"policy={done}; dropped_messages={len(older)}; "
-                  f"prompt_tokens={prompt}->{new_prompt}")
+        report = (
+            f"policy={done}; dropped_messages={len(older)}; prompt_tokens={prompt}->{new_prompt}"
+        )
         out_headers[REPORT_HEADER] = report + (f"; summary={note}" if note else "")
         _count(done, max(0, prompt - new_prompt))
         return ContextOutcome(orjson.dumps(obj), out_headers, calibrate)
 
     # -- summaries -------------------------------------------------------------------------
 
-    async def _summary(self, model: str, messages: list[dict[str, Any]],
-                       older: list[dict[str, Any]]) -> tuple[str | None, str]:
+    async def _summary(
+        self, model: str, messages: list[dict[str, Any]], older: list[dict[str, Any]]
+    ) -> tuple[str | None, str]:
         """(summary of `older` or None to truncate instead, what happened for the header)."""
         convo = [m for m in messages if m.get("role") not in plan.KEPT_ROLES]
         n = len(older)
@@ -261,7 +284,8 @@ class ContextBudget:
         try:
             text = await asyncio.wait_for(
                 self.cache.once(hashes[n], lambda: self._write(summarizer, previous, fresh)),
-                self.settings.summary_deadline_seconds)
+                self.settings.summary_deadline_seconds,
+            )
         except asyncio.TimeoutError:
             metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
             return None, "timeout"
@@ -272,8 +296,7 @@ class ContextBudget:
         metrics.CONTEXT_SUMMARIES.labels("extended" if previous else "new").inc()
         return text, ("extended" if previous else "new")
 
-    async def _write(self, model: str, previous: str | None,
-                     fresh: list[dict[str, Any]]) -> str:
+    async def _write(self, model: str, previous: str | None, fresh: list[dict[str, Any]]) -> str:
         """One call to the summarising model with the previous summary and the new messages."""
         counter = self.counter(model)
         window = await self.window(model)
@@ -281,8 +304,13 @@ class ContextBudget:
         if window is not None:
             # Newest messages first until the summarizer's own window is full: what does not
             # fit is left out (truncated), so a summary is always one bounded call.
-            budget = (window - max_tokens - self.settings.margin_tokens
-                      - counter.count(INSTRUCTIONS_AND_SLACK) - counter.count(previous or ""))
+            budget = (
+                window
+                - max_tokens
+                - self.settings.margin_tokens
+                - counter.count(INSTRUCTIONS_AND_SLACK)
+                - counter.count(previous or "")
+            )
             start = len(fresh)
             while start > 0:
                 cost = tokens.count_message(counter, fresh[start - 1])
@@ -293,13 +321,21 @@ class ContextBudget:
             fresh = fresh[start:]
             if not fresh and previous is None:
                 raise ValueError("no message fits the summarizer's window")
-        body = orjson.dumps({
-            "model": model, "stream": False, "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "system", "content": summary.INSTRUCTIONS},
-                         {"role": "user", "content": summary.transcript(previous, fresh)}],
-        })
-        _upstream, resp = await self.router.open(model, "/chat/completions", body,
-                                                 "ctx-summary-" + uuid.uuid4().hex[:16])
+        body = orjson.dumps(
+            {
+                "model": model,
+                "stream": False,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "messages": [
+                    {"role": "system", "content": summary.INSTRUCTIONS},
+                    {"role": "user", "content": summary.transcript(previous, fresh)},
+                ],
+            }
+        )
+        _upstream, resp = await self.router.open(
+            model, "/chat/completions", body, "ctx-summary-" + uuid.uuid4().hex[:16]
+        )
         try:
             raw = await read_bounded(resp, MAX_SUMMARY_BYTES)
         finally:
@@ -326,7 +362,9 @@ def _too_long(window: int, prompt: int) -> GatewayError:
         f"resulted in about {prompt} tokens, and the gateway could not shorten them enough "
         "(the system messages and the last turn alone do not fit). Please reduce the length "
         "of the messages.",
-        param="messages", code="context_length_exceeded")
+        param="messages",
+        code="context_length_exceeded",
+    )
 
 
 def _count(action: str, saved: int) -> None:

@@ -81,8 +81,9 @@ def decide(
     starts = turn_starts(messages)
     if len(starts) < 2:  # a single turn: nothing older to drop
         return Decision("reject", prompt_tokens=prompt)
-    kept_system = sum(c for m, c in zip(messages, costs, strict=True)
-                      if m.get("role") in KEPT_ROLES)
+    kept_system = sum(
+        c for m, c in zip(messages, costs, strict=True) if m.get("role") in KEPT_ROLES
+    )
     target_out = min(want, limits.reserve_output)
     budget = limits.window - limits.margin - target_out - reply - kept_system - extra
     # Newest turns first; the last turn is always kept.
@@ -90,8 +91,11 @@ def decide(
     keep = len(starts) - 1
     for t in range(len(starts) - 1, -1, -1):
         end = starts[t + 1] if t + 1 < len(starts) else len(messages)
-        cost = sum(c for m, c in zip(messages[starts[t]:end], costs[starts[t]:end], strict=True)
-                   if m.get("role") not in KEPT_ROLES)
+        cost = sum(
+            c
+            for m, c in zip(messages[starts[t] : end], costs[starts[t] : end], strict=True)
+            if m.get("role") not in KEPT_ROLES
+        )
         if t < len(starts) - 1 and tail + cost > budget:
             break
         tail += cost
@@ -99,18 +103,26 @@ def decide(
     keep_from = starts[keep]
     if keep == 0:
         keep_from = starts[1]  # everything fit the budget but not the window: drop one turn
-        tail = sum(c for m, c in zip(messages[keep_from:], costs[keep_from:], strict=True)
-                   if m.get("role") not in KEPT_ROLES)
+        tail = sum(
+            c
+            for m, c in zip(messages[keep_from:], costs[keep_from:], strict=True)
+            if m.get("role") not in KEPT_ROLES
+        )
     new_prompt = kept_system + tail + reply + extra
     room = limits.window - limits.margin - new_prompt
     if room < min(want, limits.min_output):
         return Decision("reject", prompt_tokens=new_prompt)
-    return Decision("compress", keep_from=keep_from,
-                    max_tokens=room if room < want else None, prompt_tokens=new_prompt)
+    return Decision(
+        "compress",
+        keep_from=keep_from,
+        max_tokens=room if room < want else None,
+        prompt_tokens=new_prompt,
+    )
 
 
-def split(messages: Sequence[dict[str, Any]], keep_from: int
-          ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+def split(
+    messages: Sequence[dict[str, Any]], keep_from: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(system messages, the older messages to drop or summarise, the kept messages)."""
     system = [m for m in messages if m.get("role") in KEPT_ROLES]
     older = [m for m in messages[:keep_from] if m.get("role") not in KEPT_ROLES]

