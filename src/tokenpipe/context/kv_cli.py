@@ -84,8 +84,8 @@ def kv_command(
     try:
         model = kv.load(model_spec)
         mem = kv.parse_size(memory) if memory is not None else None
-    except (kv.KVModelError, ValueError, OSError) as e:
-        click.echo(f"tokenpipe kv: {e}", err=True)
+    except (kv.KVModelError, ValueError, OSError) as err:
+        click.echo(f"tokenpipe kv: {err}", err=True)
         sys.exit(2)
     n_tokens = tokens or model.context or 4096
     e = kv.estimate(model, n_tokens, batch, dtype, mem)
