@@ -47,9 +47,12 @@ def _logging(level: str) -> None:
               help="How long open streams may finish after SIGTERM.  [default: 30]")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Gateway processes on one port (SO_REUSEPORT). Limits are shared through "
+                   "Redis, or split evenly across workers with the memory backend.")
 def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
           port: int | None, grpc_port: int | None, drain_seconds: float | None,
-          log_level: str) -> None:
+          log_level: str, workers: int) -> None:
     """Run the gateway: OpenAI-compatible HTTP (and gRPC) in front of one or more upstreams."""
     from tokenpipe import gateway, serving, settings as settings_mod
 
@@ -71,6 +74,11 @@ def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
         cfg.server.drain_seconds = drain_seconds
     if not cfg.upstreams:
         _fail("no upstream: pass --upstream URL, or a --config with upstreams.")
+    if workers > 1:
+        from tokenpipe import workers as workers_mod
+
+        workers_mod.run(cfg, workers, log_level)
+        return
     serving.run(gateway.run(cfg))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from aiohttp import web
 
 from tokenpipe import serving
@@ -16,7 +18,8 @@ def build(settings: Settings) -> web.Application:
     return front_http.build_app(settings, router)
 
 
-async def run(settings: Settings) -> None:
+async def run(settings: Settings, sock: socket.socket | None = None) -> None:
+    """`sock`: an already bound listening socket (serve --workers), else host:port."""
     app = build(settings)
 
     def draining() -> None:
@@ -29,4 +32,5 @@ async def run(settings: Settings) -> None:
         drain_seconds=settings.server.drain_seconds,
         name="tokenpipe gateway",
         on_draining=draining,
+        sock=sock,
     )
