@@ -1,0 +1,154 @@
+"""The upstream Limiter gate on a ManualClock: fairness across keys, learning from headers,
+pauses after 429, the queue deadline and its 429, bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from tokenpipe.clock import ManualClock
+from tokenpipe.control.aimd import AIMDLimit
+from tokenpipe.control.limiter import Limiter
+from tokenpipe.control.store import Limits, MemoryStore, Spec
+from tokenpipe.errors import GatewayError
+
+ONE_PER_SECOND = Limits(requests=Spec(rate=1.0, capacity=1.0))
+
+
+def virtual(clock: ManualClock):  # type: ignore[no-untyped-def]
+    """A sleep that moves the manual clock instead of waiting."""
+
+    async def sleep(seconds: float) -> None:
+        clock.advance(seconds)
+        await asyncio.sleep(0)
+
+    return sleep
+
+
+async def test_keys_take_turns_so_a_flood_from_one_key_does_not_starve_another() -> None:
+    clock = ManualClock()
+    lim = Limiter(
+        "u", MemoryStore(clock), configured=ONE_PER_SECOND, clock=clock, sleep=virtual(clock)
+    )
+    order: list[str] = []
+
+    async def one(key: str) -> None:
+        permit = await lim.acquire(key, 1, deadline=60)
+        order.append(key)
+        lim.release(permit, 200)
+
+    flood = [asyncio.create_task(one("a")) for _ in range(8)]
+    await asyncio.sleep(0)
+    few = [asyncio.create_task(one("b")) for _ in range(2)]
+    await asyncio.gather(*flood, *few)
+    # "a" got the full bucket at once; after that the keys alternate while both wait.
+    assert order[:5] == ["a", "a", "b", "a", "b"]
+    assert math.isclose(clock.now(), 9.0)  # 10 requests at 1/s from a 1-deep bucket
+
+
+async def test_headers_teach_an_unconfigured_limiter_the_upstream_bucket() -> None:
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    lim = Limiter("u", store, clock=clock, wall=lambda: 0.0)
+    permit = await lim.acquire("k", 1, deadline=1)
+    await lim.observe(
+        permit,
+        200,
+        {
+            "x-ratelimit-limit-requests": "600",
+            "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": "2s",
+        },
+    )
+    assert lim.limits.requests == Spec(rate=10.0, capacity=20.0)
+    d = await store.reserve(lim.scope, lim.limits, 1)
+    assert math.isclose(d.wait, 0.1)  # empty bucket, 10 per second
+
+
+async def test_an_upstream_429_pauses_the_upstream_and_shrinks_concurrency() -> None:
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    aimd = AIMDLimit(10, clock=clock)
+    lim = Limiter("u", store, concurrency=aimd, clock=clock, wall=lambda: 0.0)
+    permit = await lim.acquire("k", 1, deadline=1)
+    await lim.observe(permit, 429, {"retry-after-ms": "1500"})
+    lim.release(permit, 429)
+    assert aimd.limit == 9
+    assert math.isclose((await store.reserve(lim.scope, lim.limits, 1)).wait, 1.5)
+    clock.advance(1.5)
+    assert (await store.reserve(lim.scope, lim.limits, 1)).wait == 0.0
+
+
+async def test_past_the_queue_deadline_the_client_gets_429_with_retry_after_and_limits() -> None:
+    clock = ManualClock()  # frozen: the bucket never refills
+    lim = Limiter(
+        "u",
+        MemoryStore(clock),
+        configured=Limits(
+            requests=Spec(rate=10, capacity=1), tokens=Spec(rate=1000, capacity=1000)
+        ),
+        clock=clock,
+    )
+    await lim.acquire("k", 1, deadline=1)
+    with pytest.raises(GatewayError) as e:
+        await lim.acquire("k", 1, deadline=0.02)
+    err = e.value
+    assert err.status == 429 and err.code == "rate_limit_exceeded"
+    assert int(err.headers["Retry-After"]) >= 1
+    assert err.headers["x-ratelimit-limit-requests"] == "600"
+    assert err.headers["x-ratelimit-remaining-requests"] == "0"
+    assert err.headers["x-ratelimit-limit-tokens"] == "60000"
+    await lim.close()
+
+
+async def test_the_waiting_queue_is_bounded() -> None:
+    clock = ManualClock()
+    lim = Limiter("u", MemoryStore(clock), configured=ONE_PER_SECOND, clock=clock, max_waiting=1)
+    await lim.acquire("k", 1, deadline=1)
+    waiting = asyncio.create_task(lim.acquire("k", 1, deadline=30))
+    await asyncio.sleep(0)
+    assert lim.waiting == 1
+    with pytest.raises(GatewayError) as e:
+        await lim.acquire("other", 1, deadline=30)
+    assert e.value.status == 429
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await lim.close()
+
+
+async def test_concurrency_limit_holds_requests_until_a_permit_is_released() -> None:
+    clock = ManualClock()
+    lim = Limiter("u", MemoryStore(clock), concurrency=AIMDLimit(2, clock=clock), clock=clock)
+    p1 = await lim.acquire("k", 1, deadline=1)
+    await lim.acquire("k", 1, deadline=1)
+    third = asyncio.create_task(lim.acquire("k", 1, deadline=30))
+    await asyncio.sleep(0.01)
+    assert not third.done() and lim.inflight == 2
+    lim.release(p1, 200)
+    p3 = await asyncio.wait_for(third, 5)
+    assert lim.inflight == 2 and p3.key == "k"
+    await lim.close()
+
+
+async def test_a_permit_that_was_never_sent_returns_its_reservation() -> None:
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    lim = Limiter("u", store, configured=ONE_PER_SECOND, clock=clock)
+    permit = await lim.acquire("k", 1, deadline=1)
+    lim.release(permit, None, sent=False)
+    assert lim.inflight == 0
+    assert (await store.reserve(lim.scope, lim.limits, 1)).wait == 0.0
+
+
+async def test_token_reservations_are_corrected_by_what_the_upstream_charged() -> None:
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    tokens = Limits(tokens=Spec(rate=1, capacity=1000))
+    lim = Limiter("u", store, configured=tokens, clock=clock)
+    permit = await lim.acquire("k", 600, deadline=1)
+    lim.release(permit, 200, charged_tokens=150)
+    d = await store.reserve(lim.scope, lim.limits, 0)
+    assert d.remaining_tokens is not None and math.isclose(d.remaining_tokens, 850)

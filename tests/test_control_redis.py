@@ -1,0 +1,115 @@
+"""RedisStore against a real redis-server: atomic shared buckets, learning across replicas,
+fallback to a local share when Redis dies, and going back when it returns."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+
+import pytest
+
+from tests.redis_server import RedisServer
+from tokenpipe.control.redis_backend import RedisStore
+from tokenpipe.control.store import Limits, Spec
+from tokenpipe.observe import metrics
+
+# Slow refill, so the few milliseconds a test takes do not add a whole unit.
+LIMITS = Limits(requests=Spec(rate=0.01, capacity=20), tokens=Spec(rate=0.01, capacity=10_000))
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as r:
+        yield r
+
+
+async def test_three_replicas_share_one_bucket_and_never_overdraw_it(
+    redis_server: RedisServer,
+) -> None:
+    stores = [RedisStore(redis_server.url, prefix="t1") for _ in range(3)]
+    try:
+        results = await asyncio.gather(
+            *(s.reserve("up:a", LIMITS, 100) for s in stores for _ in range(15))
+        )
+        granted = [d for d in results if d.wait == 0.0]
+        assert len(granted) == 20  # exactly the bucket, from 45 concurrent asks
+        assert sorted(d.seq_requests for d in granted) == [float(i) for i in range(1, 21)]
+        refused = [d for d in results if d.wait > 0]
+        assert all(d.wait > 50 for d in refused)  # one request at 0.01/s
+    finally:
+        for s in stores:
+            await s.close()
+
+
+async def test_headers_learned_by_one_replica_hold_for_all_corrected_by_later_sends(
+    redis_server: RedisServer,
+) -> None:
+    a, b = RedisStore(redis_server.url, prefix="t2"), RedisStore(redis_server.url, prefix="t2")
+    try:
+        first = await a.reserve("up:x", LIMITS, 10)
+        await b.reserve("up:x", LIMITS, 10)
+        await b.reserve("up:x", LIMITS, 10)
+        await a.learn("up:x", LIMITS, 5, 1000, first)  # two sent after `first`
+        d = await b.reserve("up:x", LIMITS, 10)
+        assert d.remaining_requests is not None and math.isclose(
+            d.remaining_requests, 2, abs_tol=0.01
+        )
+        assert d.remaining_tokens is not None and math.isclose(d.remaining_tokens, 970, abs_tol=0.1)
+        await a.pause("up:x", 30)
+        assert (await b.reserve("up:x", LIMITS, 1)).wait > 29
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_corrections_reach_redis_without_blocking_the_caller(
+    redis_server: RedisServer,
+) -> None:
+    s = RedisStore(redis_server.url, prefix="t3")
+    await s.start()
+    try:
+        await s.reserve("up:x", LIMITS, 5000)
+        s.give("up:x", LIMITS, 0, 4000)  # returns at once; flushed in the background
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:
+            d = await s.reserve("up:x", LIMITS, 0)
+            if d.remaining_tokens is not None and d.remaining_tokens > 8999:
+                break
+            assert asyncio.get_running_loop().time() < deadline, d
+            await asyncio.sleep(0.01)
+    finally:
+        await s.close()
+
+
+async def test_when_redis_dies_decisions_fall_back_to_a_local_share_and_return_after(
+    redis_server: RedisServer,
+) -> None:
+    stores = [RedisStore(redis_server.url, prefix="t4", timeout=0.2) for _ in range(2)]
+    for s in stores:
+        await s.start()
+    loop = asyncio.get_running_loop()
+    try:
+        deadline = loop.time() + 5
+        while not all(s.replicas == 2 for s in stores):  # heartbeats counted both
+            assert loop.time() < deadline
+            await asyncio.sleep(0.05)
+        redis_server.kill()
+        s = stores[0]
+        started = loop.time()
+        decisions = [await s.reserve("up:y", LIMITS, 1) for _ in range(20)]
+        assert loop.time() - started < 1.0  # no decision waits on the dead Redis for long
+        assert not s.healthy
+        assert metrics.REGISTRY.get_sample_value("tokenpipe_limits_redis_fallback") == 1
+        assert sum(d.wait == 0.0 for d in decisions) == 10  # half of 20: one of two replicas
+        redis_server.start()
+        deadline = loop.time() + 10
+        while not s.healthy:
+            assert loop.time() < deadline, "did not go back to Redis"
+            await asyncio.sleep(0.05)
+        assert metrics.REGISTRY.get_sample_value("tokenpipe_limits_redis_fallback") == 0
+        d = await s.reserve("up:z", LIMITS, 1)
+        assert d.wait == 0.0 and d.origin != 0  # answered by Redis again
+    finally:
+        for st in stores:
+            await st.close()

@@ -1,0 +1,113 @@
+"""Parsing of OpenAI, Anthropic and retry-after rate-limit headers."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+
+import pytest
+
+from tokenpipe.control.ratelimit_headers import (
+    go_duration,
+    parse,
+    parse_duration,
+    parse_retry_after,
+)
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc).timestamp()
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("6m0s", 360.0),
+        ("1s", 1.0),
+        ("12ms", 0.012),
+        ("1.5s", 1.5),
+        ("1h2m3.5s", 3723.5),
+        ("250us", 0.00025),
+        ("0s", 0.0),
+        ("17", 17.0),
+        ("0.25", 0.25),
+    ],
+)
+def test_go_durations_and_bare_seconds_parse(text: str, seconds: float) -> None:
+    got = parse_duration(text)
+    assert got is not None and math.isclose(got, seconds)
+
+
+@pytest.mark.parametrize("text", ["", "abc", "5x", "1s2", "m"])
+def test_malformed_durations_are_rejected(text: str) -> None:
+    assert parse_duration(text) is None
+
+
+def test_go_duration_round_trips_through_the_parser() -> None:
+    for seconds in (0.012, 0.5, 1.0, 59.25, 360.0, 3723.5):
+        got = parse_duration(go_duration(seconds))
+        assert got is not None and math.isclose(got, seconds, abs_tol=0.001)
+
+
+def test_openai_headers_give_both_buckets_and_their_depth() -> None:
+    info = parse(
+        {
+            "X-RateLimit-Limit-Requests": "600",
+            "x-ratelimit-remaining-requests": "15",
+            "x-ratelimit-reset-requests": "500ms",
+            "x-ratelimit-limit-tokens": "150000",
+            "x-ratelimit-remaining-tokens": "149000",
+            "x-ratelimit-reset-tokens": "6m0s",
+        },
+        NOW,
+    )
+    r, t = info.requests, info.tokens
+    assert r is not None and t is not None
+    assert r.limit == 600 and r.remaining == 15 and r.reset == 0.5
+    assert math.isclose(r.rate or 0, 10.0)
+    assert r.capacity() == 20  # 15 left + 0.5 s of refill at 10/s: a 2-second-deep bucket
+    assert t.capacity() == 150000  # never deeper than the per-minute limit
+    assert info.retry_after is None
+
+
+def test_depth_estimate_recovers_the_bucket_from_floored_remaining() -> None:
+    # Level 14.7 of a 20-deep, 10/s bucket: the provider says remaining 14, reset 530ms.
+    info = parse(
+        {
+            "x-ratelimit-limit-requests": "600",
+            "x-ratelimit-remaining-requests": "14",
+            "x-ratelimit-reset-requests": "530ms",
+        },
+        NOW,
+    )
+    assert info.requests is not None and info.requests.capacity() == 20
+
+
+def test_anthropic_headers_with_rfc3339_resets() -> None:
+    info = parse(
+        {
+            "anthropic-ratelimit-requests-limit": "50",
+            "anthropic-ratelimit-requests-remaining": "49",
+            "anthropic-ratelimit-requests-reset": "2026-01-02T03:04:06Z",
+            "anthropic-ratelimit-input-tokens-limit": "30000",
+            "anthropic-ratelimit-input-tokens-remaining": "29000",
+            "anthropic-ratelimit-input-tokens-reset": "2026-01-02T03:04:07+00:00",
+        },
+        NOW,
+    )
+    assert info.requests is not None and info.requests.reset == 1.0
+    assert info.tokens is not None  # input tokens stand in for a total
+    assert info.tokens.limit == 30000 and info.tokens.reset == 2.0
+
+
+def test_retry_after_ms_wins_over_retry_after() -> None:
+    assert parse({"retry-after": "3", "retry-after-ms": "1250"}, NOW).retry_after == 1.25
+    assert parse({"Retry-After": "3"}, NOW).retry_after == 3.0
+
+
+def test_retry_after_as_http_date() -> None:
+    assert parse_retry_after("Fri, 02 Jan 2026 03:04:15 GMT", NOW) == 10.0
+    assert parse_retry_after("soon", NOW) is None
+
+
+def test_no_rate_limit_headers_means_nothing_learned() -> None:
+    info = parse({"content-type": "application/json", "x-ratelimit-remaining-requests": "x"}, NOW)
+    assert not info
