@@ -18,15 +18,23 @@ from tokenpipe.observe import metrics
 
 def chunk_has_content(obj: dict[str, Any]) -> bool:
     """True if a chunk carries output: content, reasoning or a tool call (not a role-only chunk)."""
-    for choice in obj.get("choices") or ():
+    choices = obj.get("choices")
+    return _choices_have_content(choices) if choices else False
+
+
+def _choices_have_content(choices: list[dict[str, Any]]) -> bool:
+    for choice in choices:
         delta = choice.get("delta")
         if delta is None:  # text completion
             if choice.get("text"):
                 return True
-            continue
-        if delta.get("content") or delta.get("tool_calls") or delta.get("function_call"):
-            return True
-        if delta.get("reasoning_content") or delta.get("reasoning"):
+        elif (
+            delta.get("content")
+            or delta.get("tool_calls")
+            or delta.get("reasoning_content")
+            or delta.get("reasoning")
+            or delta.get("function_call")
+        ):
             return True
     return False
 
@@ -101,11 +109,10 @@ class SSERelay:
         out: list[bytes] = []
         tally = self.tally
         now = 0.0
-        for ev in self.decoder.feed(chunk):
-            if ev.comment:
-                out.append(sse.encode_comment(ev.data))
+        for data, comment, _ in self.decoder.feed(chunk):
+            if comment:
+                out.append(b": " + data + b"\n\n")
                 continue
-            data = ev.data
             if data == sse.DONE:
                 tally.done = True
                 out.append(sse.DONE_EVENT)
@@ -114,26 +121,30 @@ class SSERelay:
                 obj = orjson.loads(data)
             except orjson.JSONDecodeError:
                 raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
-            if not isinstance(obj, dict):
+            if type(obj) is not dict:
                 raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
-            if chunk_has_content(obj):
-                now = now or time.perf_counter()
-                tally.observe_content(now)
-            usage = obj.get("usage")
-            if usage:
-                tally.usage = usage
-                if self.strip_usage:
-                    if not obj.get("choices"):
-                        continue  # the usage-only chunk the client did not ask for
-                    obj.pop("usage")
-                    data = orjson.dumps(obj)
-            elif self.strip_usage and "usage" in obj:
-                obj.pop("usage")  # `"usage": null`, present only because we asked for usage
-                data = orjson.dumps(obj)
-            for choice in obj.get("choices") or ():
-                if choice.get("finish_reason"):
+            choices = obj.get("choices")
+            if choices:
+                if _choices_have_content(choices):
+                    now = now or time.perf_counter()
+                    tally.observe_content(now)
+                if choices[0].get("finish_reason"):
                     tally.finished = True
-            if "error" in obj:
+            elif "error" in obj:
                 tally.finished = True
-            out.append(sse.encode(data))
+            if "usage" in obj:
+                usage = obj["usage"]
+                if usage:
+                    tally.usage = usage
+                if self.strip_usage:
+                    if not choices:
+                        continue  # the usage-only chunk the client did not ask for
+                    # `"usage": null` is there only because we asked for usage. OpenAI-compatible
+                    # servers write it compactly; cutting the bytes avoids a re-serialisation.
+                    cut = data.replace(b',"usage":null', b"", 1)
+                    if len(cut) == len(data):
+                        del obj["usage"]
+                        cut = orjson.dumps(obj)
+                    data = cut
+            out.append(b"data: " + data + b"\n\n")
         return b"".join(out)

@@ -49,21 +49,20 @@ class SSEDecoder:
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        blocks = buf.split(b"\n\n")
+        rest = blocks.pop()  # after the last blank line: an unterminated event, often b""
         events: list[Event] = []
-        start = 0
-        while True:
-            end = buf.find(b"\n\n", start)
-            if end < 0:
-                break
-            block = buf[start:end]
-            start = end + 2
-            if block:
+        for block in blocks:
+            # Fast path: the one-line `data: {...}` that OpenAI-compatible servers send.
+            if block[:6] == b"data: " and b"\n" not in block:
+                events.append(Event(block[6:]))
+            elif block:
                 ev = _parse_block(block)
                 if ev is not None:
                     events.append(ev)
-        self._buf = buf[start:]
-        if len(self._buf) > self.max_event_bytes:
+        if len(rest) > self.max_event_bytes:
             raise SSEProtocolError(f"SSE event larger than {self.max_event_bytes} bytes")
+        self._buf = rest
         return events
 
     @property
@@ -73,9 +72,6 @@ class SSEDecoder:
 
 
 def _parse_block(block: bytes) -> Event | None:
-    # Fast path: the one-line `data: {...}` that OpenAI-compatible servers send.
-    if block.startswith(b"data: ") and b"\n" not in block:
-        return Event(block[6:])
     data: list[bytes] = []
     comment: list[bytes] = []
     event: str | None = None
