@@ -32,9 +32,10 @@ class ChatFormat:
 
 
 #: OpenAI's chat format for gpt-3.5-turbo / gpt-4 and later: `<|im_start|>{role}\n{content}
-#: <|im_end|>\n` is 3 tokens per message, 1 more for a name, and 3 that prime the reply.
-#: Source: OpenAI cookbook, "How to count tokens with tiktoken" (num_tokens_from_messages).
-OPENAI_CHAT = ChatFormat(per_message=3, per_name=1, reply=3)
+#: <|im_end|>\n` is 3 tokens per message plus the role (one token for each role name in
+#: cl100k), 1 more for a name, and 3 that prime the reply. Source: OpenAI cookbook, "How to
+#: count tokens with tiktoken" (num_tokens_from_messages), whose example gives 129 tokens.
+OPENAI_CHAT = ChatFormat(per_message=4, per_name=1, reply=3)
 #: What tokenpipe's sim charges (4 per message + 3); also the estimator's assumption for
 #: unknown templates, a little above OpenAI's so that an estimate errs towards trimming.
 DEFAULT_CHAT = ChatFormat(per_message=4, per_name=1, reply=3)

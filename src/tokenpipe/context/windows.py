@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from typing import Any
 
 import aiohttp
 import orjson
 
+from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.upstream.http import HttpUpstream
 
 log = logging.getLogger("tokenpipe.context")
@@ -69,12 +69,13 @@ def window_from_entry(entry: dict[str, Any]) -> int | None:
 class WindowDiscovery:
     """Asks each upstream's /v1/models for the windows it serves, cached for DISCOVERY_TTL."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = MONOTONIC) -> None:
+        self.clock = clock
         self._cache: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
         self._lock = asyncio.Lock()
 
     async def window(self, upstream: HttpUpstream, model: str) -> int | None:
-        now = time.monotonic()
+        now = self.clock.now()
         hit = self._cache.get(upstream.name)
         if hit is None or now - hit[0] > DISCOVERY_TTL:
             async with self._lock:  # one fetch at a time; others wait (bounded by its 5 s)
