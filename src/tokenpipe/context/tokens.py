@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,7 @@ class GGUFCounter:
             def rendered(n: int) -> int:
                 roles = ["user", "assistant"]
                 msgs = [{"role": roles[i % 2], "content": "hello"} for i in range(n)]
-                prompt = fmt(messages=msgs).prompt
+                prompt = cast(Any, fmt)(messages=msgs).prompt  # typed dicts in llama_cpp
                 return len(self._llm.tokenize(prompt.encode(), add_bos=False, special=True))
 
             content = self.count("hello")
