@@ -191,7 +191,7 @@ async def test_error_after_stream_started_is_an_sse_error_event(
     assert err["code"] in ("upstream_stream_truncated", "upstream_protocol_error")
     if fault != "garbage":
         assert len(r.text.split()) == 3  # what arrived before the fault was delivered
-        assert "3 content chunks" in err["message"]  # and the client is told how much
+        assert "3 content deltas" in err["message"]  # and the client is told how much
     assert r.done  # the stream still ends cleanly
 
 

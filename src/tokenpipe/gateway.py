@@ -8,6 +8,7 @@ from aiohttp import web
 
 from tokenpipe import serving
 from tokenpipe.front import http as front_http
+from tokenpipe.pipeline import Gateway
 from tokenpipe.router import Router
 from tokenpipe.settings import Settings
 from tokenpipe.upstream.http import HttpUpstream
@@ -15,7 +16,7 @@ from tokenpipe.upstream.http import HttpUpstream
 
 def build(settings: Settings) -> web.Application:
     router = Router([HttpUpstream(u) for u in settings.upstreams])
-    return front_http.build_app(settings, router)
+    return front_http.build_app(Gateway(settings, router))
 
 
 async def run(settings: Settings, sock: socket.socket | None = None) -> None:
@@ -23,7 +24,7 @@ async def run(settings: Settings, sock: socket.socket | None = None) -> None:
     app = build(settings)
 
     def draining() -> None:
-        app[front_http.STATE]["draining"] = True
+        app[front_http.GATEWAY].draining = True
 
     await serving.serve(
         app,

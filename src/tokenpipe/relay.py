@@ -1,18 +1,36 @@
-"""Moves an upstream SSE stream to the client and measures it on the way.
+"""Moves an upstream stream to the client with bounded memory, and measures it on the way.
 
-Per event the work is one JSON parse (to find content and usage) and one append; everything
-read from the socket in one go is written to the client in one write, so nothing waits for
-more data (no added buffering) and a burst costs one syscall.
+Two parts per stream (see `relay_stream`):
+- the reader (a child task) parses upstream SSE events into `Piece`s and puts them into a
+  bounded `Accumulator`, merging consecutive content deltas as they queue;
+- the writer (the request's own task) takes whatever has accumulated whenever the client can
+  take more and the flow gate (credit, pace) allows, and emits it as one event or message.
+
+A client that keeps up gets every upstream event as it was sent (the bytes pass through, no
+re-serialisation, no waiting for more). A slow client gets fewer, larger events with exactly
+the same text. No content is dropped or reordered: merging only joins neighbouring content
+deltas of the same choice.
+
+Bounds (per stream): the accumulator stops reading the upstream once it holds HIGH_WATERMARK
+bytes (TCP backpressure then reaches the upstream) and resumes below LOW_WATERMARK; one socket
+read (at most aiohttp's 64 KiB read size) may land on top of the high watermark.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import orjson
 
 from tokenpipe import sse
+from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
 
 
@@ -44,6 +62,7 @@ class StreamTally:
 
     __slots__ = (
         "chunks",
+        "deltas",
         "done",
         "finished",
         "first_token_at",
@@ -60,7 +79,8 @@ class StreamTally:
         self.started_at = started_at  # time.perf_counter() at request arrival
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
-        self.chunks = 0  # content chunks
+        self.chunks = 0  # content events sent to the client
+        self.deltas = 0  # upstream content deltas sent (several per event when merged)
         self.usage: dict[str, Any] | None = None
         self.done = False  # [DONE] seen
         self.finished = False  # a finish_reason seen
@@ -93,8 +113,85 @@ class StreamTally:
                 metrics.TPOT.labels(upstream, model).observe(tpot)
 
 
-class SSERelay:
-    """Turns upstream socket reads into bytes for the client, recording the tally."""
+#: Bytes of queued content at which the reader stops reading the upstream.
+HIGH_WATERMARK = 64 * 1024
+#: Bytes of queued content below which a paused reader resumes.
+LOW_WATERMARK = 16 * 1024
+#: Accounting overhead per queued piece (bytes), so many tiny pieces still count.
+PIECE_OVERHEAD = 64
+
+
+class Piece:
+    """One upstream event, or several neighbouring content deltas merged.
+
+    `parts` (content pieces only) holds each delta's text; `template` is the first delta's
+    chunk, from which a merged event is rebuilt. `raw` is the event as received (and sent when
+    the piece was not merged or split).
+    """
+
+    __slots__ = ("error", "finish_reason", "parts", "raw", "size", "template", "text_key")
+
+    def __init__(
+        self,
+        raw: bytes | None,
+        parts: list[str] | None = None,
+        template: dict[str, Any] | None = None,
+        text_key: str = "",
+    ) -> None:
+        self.raw = raw
+        self.parts = parts
+        self.template = template
+        self.text_key = text_key  # "content" (chat delta) or "text" (completion)
+        self.finish_reason: str | None = None
+        self.error: dict[str, Any] | None = None
+        self.size = (len(raw) if raw is not None else 0) + PIECE_OVERHEAD
+
+    @property
+    def tokens(self) -> int:
+        return len(self.parts) if self.parts is not None else 0
+
+    def split(self, n: int) -> Piece:
+        """Takes the first n deltas off this piece and returns them as a piece of their own."""
+        assert self.parts is not None and 0 < n < len(self.parts)
+        head = Piece(None, self.parts[:n], self.template, self.text_key)
+        self.parts = self.parts[n:]
+        self.raw = None
+        return head
+
+    def event(self) -> bytes:
+        """The SSE bytes for the client."""
+        if self.raw is not None:
+            return self.raw
+        assert self.parts is not None and self.template is not None
+        obj = self.template
+        choice = obj["choices"][0]
+        target = choice["delta"] if self.text_key == "content" else choice
+        target[self.text_key] = "".join(self.parts)
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts) if self.parts is not None else ""
+
+
+def _mergeable(obj: dict[str, Any], choices: list[dict[str, Any]]) -> str:
+    """The key holding the text if this chunk is a plain content delta of one choice, else "".
+    Role chunks, finish chunks, tool calls, logprobs and usage are never merged."""
+    if len(choices) != 1 or obj.get("usage"):
+        return ""
+    choice = choices[0]
+    if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+        return ""
+    delta = choice.get("delta")
+    if delta is None:
+        return "text" if isinstance(choice.get("text"), str) else ""
+    if len(delta) == 1 and isinstance(delta.get("content"), str):
+        return "content"
+    return ""
+
+
+class EventParser:
+    """Upstream socket reads -> pieces, recording usage and the end of the stream."""
 
     __slots__ = ("decoder", "strip_usage", "tally")
 
@@ -105,17 +202,16 @@ class SSERelay:
         self.strip_usage = strip_usage
         self.decoder = sse.SSEDecoder()
 
-    def feed(self, chunk: bytes) -> bytes:
-        out: list[bytes] = []
+    def feed(self, chunk: bytes) -> list[Piece]:
+        out: list[Piece] = []
         tally = self.tally
-        now = 0.0
         for data, comment, _ in self.decoder.feed(chunk):
             if comment:
-                out.append(b": " + data + b"\n\n")
+                out.append(Piece(b": " + data + b"\n\n"))
                 continue
             if data == sse.DONE:
                 tally.done = True
-                out.append(sse.DONE_EVENT)
+                out.append(Piece(sse.DONE_EVENT))
                 continue
             try:
                 obj = orjson.loads(data)
@@ -123,21 +219,12 @@ class SSERelay:
                 raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
             if type(obj) is not dict:
                 raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
-            choices = obj.get("choices")
-            if choices:
-                if _choices_have_content(choices):
-                    now = now or time.perf_counter()
-                    tally.observe_content(now)
-                if choices[0].get("finish_reason"):
-                    tally.finished = True
-            elif "error" in obj:
-                tally.finished = True
             if "usage" in obj:
                 usage = obj["usage"]
                 if usage:
                     tally.usage = usage
                 if self.strip_usage:
-                    if not choices:
+                    if not obj.get("choices"):
                         continue  # the usage-only chunk the client did not ask for
                     # `"usage": null` is there only because we asked for usage. OpenAI-compatible
                     # servers write it compactly; cutting the bytes avoids a re-serialisation.
@@ -145,6 +232,264 @@ class SSERelay:
                     if len(cut) == len(data):
                         del obj["usage"]
                         cut = orjson.dumps(obj)
+                    else:
+                        del obj["usage"]
                     data = cut
-            out.append(b"data: " + data + b"\n\n")
-        return b"".join(out)
+            raw = b"data: " + data + b"\n\n"
+            choices = obj.get("choices")
+            if choices:
+                key = _mergeable(obj, choices)
+                if key:
+                    text = choices[0]["delta"]["content"] if key == "content" else choices[0][key]
+                    if text:
+                        out.append(Piece(raw, [text], obj, key))
+                        continue
+                piece = Piece(raw)
+                if _choices_have_content(choices):
+                    # Content that cannot merge (e.g. with a finish_reason): one token, as is.
+                    piece.parts = [_choice_text(choices[0])]
+                piece.finish_reason = choices[0].get("finish_reason")
+                if piece.finish_reason:
+                    tally.finished = True
+                out.append(piece)
+            else:
+                piece = Piece(raw)
+                err = obj.get("error")
+                if isinstance(err, dict):
+                    piece.error = err
+                    tally.finished = True
+                out.append(piece)
+        return out
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    if delta is None:
+        return str(choice.get("text") or "")
+    return str(delta.get("content") or "")
+
+
+class Accumulator:
+    """The bounded queue between a stream's reader and writer (see the module docstring)."""
+
+    #: Bytes queued in all accumulators of this process (the tokenpipe_stream_buffer_bytes gauge).
+    total_bytes = 0
+
+    __slots__ = (
+        "_data",
+        "_drained",
+        "closed",
+        "error",
+        "merged",
+        "merging",
+        "paused_s",
+        "pending",
+        "size",
+    )
+
+    def __init__(self) -> None:
+        self.pending: deque[Piece] = deque()
+        self.size = 0
+        self.closed = False
+        self.error: GatewayError | None = None
+        self.merged = 0  # deltas merged into a neighbour
+        self.paused_s = 0.0  # seconds the reader waited for the writer
+        #: True while the writer is held up (a client write is waiting for the socket to drain,
+        #: or the flow gate holds it back): only then are new deltas merged into the last one.
+        #: A client that keeps up gets the upstream's events one for one.
+        self.merging = False
+        self._data = asyncio.Event()
+        self._drained = asyncio.Event()
+
+    def put(self, piece: Piece) -> None:
+        pending = self.pending
+        if self.merging and piece.template is not None and pending:
+            last = pending[-1]
+            if (
+                last.template is not None
+                and last.text_key == piece.text_key
+                and last.parts is not None
+                and piece.parts is not None
+            ):
+                last.parts.extend(piece.parts)
+                last.raw = None
+                grow = len(piece.parts[0]) + 8
+                last.size += grow
+                self.size += grow
+                Accumulator.total_bytes += grow
+                self.merged += 1
+                return
+        pending.append(piece)
+        self.size += piece.size
+        Accumulator.total_bytes += piece.size
+        self._data.set()
+
+    async def wait_below_low(self) -> None:
+        """Called by the reader after a read: waits while the writer is behind."""
+        if self.size <= HIGH_WATERMARK:
+            return
+        started = time.perf_counter()
+        while self.size > LOW_WATERMARK and not self.closed:
+            self._drained.clear()
+            await self._drained.wait()
+        self.paused_s += time.perf_counter() - started
+
+    def close(self, error: GatewayError | None = None) -> None:
+        self.closed = True
+        self.error = error
+        self._data.set()
+        self._drained.set()
+
+    async def wait_data(self) -> None:
+        while not self.pending and not self.closed:
+            self._data.clear()
+            await self._data.wait()
+
+    def take(self, allowed: int) -> tuple[list[Piece], int]:
+        """Takes pieces from the front: pieces without tokens always, content up to `allowed`
+        tokens (splitting a merged piece if need be). Returns (pieces, tokens taken)."""
+        out: list[Piece] = []
+        tokens = 0
+        pending = self.pending
+        freed = 0
+        while pending:
+            piece = pending[0]
+            n = piece.tokens
+            if n and tokens + n > allowed:
+                room = allowed - tokens
+                if room > 0 and n > 1:
+                    head = piece.split(room)
+                    shrink = sum(len(p) for p in head.parts or ()) + 8 * room
+                    piece.size -= shrink
+                    freed += shrink
+                    out.append(head)
+                    tokens += room
+                break
+            pending.popleft()
+            freed += piece.size
+            out.append(piece)
+            tokens += n
+        if freed:
+            self.size -= freed
+            Accumulator.total_bytes -= freed
+            if self.size <= LOW_WATERMARK:
+                self._drained.set()
+        return out, tokens
+
+    def discard(self) -> None:
+        """Forget what is queued (the stream ended early); keeps the global gauge right."""
+        Accumulator.total_bytes -= self.size
+        self.size = 0
+        self.pending.clear()
+
+
+metrics.STREAM_BUFFER_BYTES.set_function(lambda: Accumulator.total_bytes)
+
+
+async def read_upstream(
+    uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator
+) -> None:
+    """The reader: upstream bytes -> pieces in the accumulator, until the stream ends."""
+    tally = parser.tally
+    error: GatewayError | None = None
+    try:
+        async for chunk in uresp.content.iter_any():
+            for piece in parser.feed(chunk):
+                acc.put(piece)
+            await acc.wait_below_low()
+        if not tally.done:
+            error = GatewayError(
+                502, "the upstream ended the stream early", code="upstream_stream_truncated"
+            )
+    except sse.SSEProtocolError as e:
+        error = GatewayError(502, str(e), code="upstream_protocol_error")
+    except asyncio.TimeoutError:
+        error = GatewayError(504, "the upstream stopped sending", code="upstream_timeout")
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+        error = GatewayError(502, "the upstream connection broke", code="upstream_stream_truncated")
+    finally:
+        acc.close(error)
+        if acc.paused_s:
+            metrics.UPSTREAM_READ_PAUSED.inc(acc.paused_s)
+
+
+Emit = Callable[[list[Piece]], Awaitable[None]]
+
+
+async def pump(
+    acc: Accumulator, gate: FlowGate | None, emit: Emit, gate_changed: asyncio.Event | None = None
+) -> GatewayError | None:
+    """The writer: sends what has accumulated as the gate allows. Returns the upstream's
+    error if the stream broke (after sending everything that arrived before it)."""
+    while True:
+        if not acc.pending:
+            if acc.closed:
+                if acc.merged:
+                    metrics.STREAM_MERGED_DELTAS.inc(acc.merged)
+                return acc.error
+            await acc.wait_data()
+            continue
+        if gate is None:
+            allowed, wait = 1 << 30, 0.0
+        else:
+            allowed, wait = gate.allowance()
+        pieces, tokens = acc.take(allowed)
+        acc.merging = True
+        if pieces:
+            if gate is not None:
+                gate.consume(tokens)
+            await emit(pieces)
+            acc.merging = False
+            continue
+        # Held back by flow control: wait for time (pace) or a change (credit, cancel).
+        if gate_changed is None:
+            if math.isinf(wait):
+                raise AssertionError("credit mode needs a gate_changed event")
+            await asyncio.sleep(wait)
+        else:
+            gate_changed.clear()
+            try:
+                await asyncio.wait_for(gate_changed.wait(), None if math.isinf(wait) else wait)
+            except asyncio.TimeoutError:
+                pass
+        acc.merging = False
+
+
+async def relay_stream(
+    uresp: aiohttp.ClientResponse,
+    parser: EventParser,
+    emit: Emit,
+    gate: FlowGate | None = None,
+    gate_changed: asyncio.Event | None = None,
+) -> GatewayError | None:
+    """Runs reader and writer for one stream. The reader never outlives this call: when the
+    writer returns, fails (client gone) or is cancelled, the reader is cancelled and awaited.
+    (Not a TaskGroup: it would wrap the client's ConnectionResetError in an ExceptionGroup.)"""
+    acc = Accumulator()
+    reader = asyncio.create_task(read_upstream(uresp, parser, acc))
+    try:
+        return await pump(acc, gate, emit, gate_changed)
+    finally:
+        reader.cancel()
+        try:
+            await reader
+        except asyncio.CancelledError:
+            pass
+        acc.discard()
+
+
+def emit_sse(response: Any, tally: StreamTally) -> Emit:
+    """An emitter writing pieces as SSE bytes to an aiohttp StreamResponse."""
+
+    async def emit(pieces: list[Piece]) -> None:
+        now = 0.0
+        out = []
+        for piece in pieces:
+            if piece.parts:
+                now = now or time.perf_counter()
+                tally.observe_content(now)
+                tally.deltas += len(piece.parts)
+            out.append(piece.event())
+        await response.write(b"".join(out))
+
+    return emit

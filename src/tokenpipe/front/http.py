@@ -18,15 +18,12 @@ import orjson
 from aiohttp import web
 
 from tokenpipe import sse
-from tokenpipe.context.budget import CONTEXT, ContextBudget
-from tokenpipe.control.traffic import TrafficControl
+from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
-from tokenpipe.front.auth import Authenticator
 from tokenpipe.observe import metrics
-from tokenpipe.relay import SSERelay, StreamTally
-from tokenpipe.router import Router
-from tokenpipe.settings import Settings
+from tokenpipe.pipeline import Call, Gateway
+from tokenpipe.relay import EventParser, StreamTally, emit_sse, relay_stream
 from tokenpipe.upstream.http import read_bounded
 
 log = logging.getLogger("tokenpipe.front")
@@ -41,11 +38,9 @@ _SSE_HEADERS = {
 #: Status recorded for a request whose client went away before the end (nginx's convention).
 CLIENT_CLOSED = 499
 
-SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
-ROUTER: web.AppKey[Router] = web.AppKey("router", Router)
-AUTH: web.AppKey[Authenticator] = web.AppKey("auth", Authenticator)
-STATE: web.AppKey[dict[str, Any]] = web.AppKey("state", dict)
-TRAFFIC: web.AppKey[TrafficControl] = web.AppKey("traffic", TrafficControl)
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+#: Request header for the rate (tokens/s) a client can render; the relay paces to it.
+PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -74,8 +69,9 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         raise
     except Exception:
         log.exception("internal error on %s", request.path)
-        return error_response(GatewayError(500, "Internal error in the gateway."),
-                              request.get("request_id"))
+        return error_response(
+            GatewayError(500, "Internal error in the gateway."), request.get("request_id")
+        )
 
 
 def _request_id(request: web.Request) -> str:
@@ -89,8 +85,11 @@ def _request_id(request: web.Request) -> str:
 async def _read_body(request: web.Request, limit: int) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
-        raise GatewayError(413, f"Request body of {length} bytes is over the limit of "
-                           f"{limit} bytes.", code="request_too_large")
+        raise GatewayError(
+            413,
+            f"Request body of {length} bytes is over the limit of {limit} bytes.",
+            code="request_too_large",
+        )
     parts: list[bytes] = []
     size = 0
     while True:
@@ -99,73 +98,70 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
             break
         size += len(chunk)
         if size > limit:
-            raise GatewayError(413, f"Request body is over the limit of {limit} bytes.",
-                               code="request_too_large")
+            raise GatewayError(
+                413, f"Request body is over the limit of {limit} bytes.", code="request_too_large"
+            )
         parts.append(chunk)
     return b"".join(parts)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _completion(request, schema.ChatRequest, "/chat/completions")
+    return await _completion(request, schema.ChatRequest)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _completion(request, schema.CompletionRequest, "/completions")
+    return await _completion(request, schema.CompletionRequest)
 
 
 async def _completion(
     request: web.Request,
     kind: type[schema.ChatRequest] | type[schema.CompletionRequest],
-    path: str,
 ) -> web.StreamResponse:
     started = time.perf_counter()
-    app = request.app
+    gw = request.app[GATEWAY]
     rid = _request_id(request)
-    key = app[AUTH].check(request.headers.get("Authorization"))
-    body = await _read_body(request, app[SETTINGS].server.max_body_bytes)
+    key = gw.auth.check(request.headers.get("Authorization"))
+    body = await _read_body(request, gw.settings.server.max_body_bytes)
     req, obj = schema.parse(body, kind)
-    ctx = await app[CONTEXT].apply(kind, req, obj, request.headers)  # may shorten the request
-    body = ctx.body or body
-    stream = bool(req.stream)
-    strip_usage = False
-    if stream:
-        wants_usage = bool(req.stream_options and req.stream_options.include_usage)
-        upstreams = await app[ROUTER].candidates(req.model)
-        if not wants_usage and all(u.settings.request_usage for u in upstreams):
-            opts = dict(obj.get("stream_options") or {})
-            opts["include_usage"] = True
-            obj["stream_options"] = opts
-            body = orjson.dumps(obj)
-            strip_usage = True
-    # Per-key quota (429 when over; it needs the token count, so it follows the parse), then
-    # the upstream limiter inside open(): waits for capacity, learns from the answer.
-    ticket = await app[TRAFFIC].admit(key, obj)
-    try:
-        upstream, uresp = await app[ROUTER].open(req.model, path, body, rid, ticket)
-    except BaseException:
-        ticket.finish()
-        raise
-    tally = StreamTally(upstream.name, req.model, started)
-    gauge = metrics.INFLIGHT.labels(upstream.name, req.model)
-    gauge.inc()
+    gate = _pace(request, req) if req.stream else None
+    call = await gw.open(
+        kind, req, obj, body, key=key, request_id=rid, started=started, headers=request.headers
+    )
     status = CLIENT_CLOSED
     try:
-        if uresp.status != 200 or not stream:
-            status, response = await _unary(uresp, tally, rid)
-            response.headers.update(ctx.headers)
+        uresp = call.uresp
+        if uresp.status != 200 or not req.stream:
+            status, response = await _unary(uresp, call.tally, rid)
+            response.headers.update(call.ctx.headers)
             return response
         sse_response = web.StreamResponse(
-            status=200, headers={**_SSE_HEADERS, "x-request-id": rid, **ctx.headers}
+            status=200, headers={**_SSE_HEADERS, "x-request-id": rid, **call.ctx.headers}
         )
         await sse_response.prepare(request)
-        status = await _relay_stream(uresp, sse_response, SSERelay(tally, strip_usage))
+        status = await _relay_sse(call, sse_response, gate)
         return sse_response
     finally:
-        uresp.close()  # at once: a client that went away must not keep the upstream busy
-        gauge.dec()
-        tally.finish(status)
-        ticket.finish(tally.usage, status)
-        ctx.observe(tally.usage)
+        call.close(status)
+
+
+def _pace(request: web.Request, req: Any) -> FlowGate | None:
+    rate = req.stream_options.max_tokens_per_second if req.stream_options else None
+    header = request.headers.get(PACE_HEADER)
+    if header is not None:
+        try:
+            rate = float(header)
+        except ValueError:
+            raise GatewayError(
+                400,
+                f"{PACE_HEADER} must be a number of tokens per second.",
+                param=PACE_HEADER,
+                code="invalid_request",
+            ) from None
+    if not rate or rate <= 0:
+        return None
+    gate = FlowGate()
+    gate.set_rate(rate)
+    return gate
 
 
 async def _unary(
@@ -175,8 +171,9 @@ async def _unary(
     try:
         body = await read_bounded(uresp)
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        raise GatewayError(502, "Upstream closed the connection before answering.",
-                           code="upstream_error") from None
+        raise GatewayError(
+            502, "Upstream closed the connection before answering.", code="upstream_error"
+        ) from None
     headers = {"x-request-id": rid}
     status = uresp.status
     try:
@@ -185,8 +182,9 @@ async def _unary(
         obj = None
     if status == 200:
         if not isinstance(obj, dict):
-            raise GatewayError(502, "Upstream sent a response that is not JSON.",
-                               code="upstream_error")
+            raise GatewayError(
+                502, "Upstream sent a response that is not JSON.", code="upstream_error"
+            )
         tally.usage = obj.get("usage")
         return status, json_response(status, body, headers)
     # Upstream error: keep its status when it is an HTTP error a client can act on, make sure
@@ -198,67 +196,49 @@ async def _unary(
     if status < 400 or status > 599:
         status = 502
     if not (isinstance(obj, dict) and isinstance(obj.get("error"), dict)):
-        body = GatewayError(status, f"Upstream answered with status {uresp.status}.",
-                            code="upstream_error").json()
+        body = GatewayError(
+            status, f"Upstream answered with status {uresp.status}.", code="upstream_error"
+        ).json()
     if status == 429 and "Retry-After" not in uresp.headers:
         headers.update(GatewayError(429, "").headers)
     return status, json_response(status, body, headers)
 
 
-async def _relay_stream(
-    uresp: aiohttp.ClientResponse, response: web.StreamResponse, relay: SSERelay
-) -> int:
+async def _relay_sse(call: Call, response: web.StreamResponse, gate: FlowGate | None) -> int:
     """Returns the status to record. Errors after the first byte become an SSE error event."""
-    tally = relay.tally
-    error: GatewayError | None = None
+    tally = call.tally
     try:
-        async for chunk in uresp.content.iter_any():
-            out = relay.feed(chunk)
-            if out:
-                await response.write(out)
-        if not tally.done:
-            error = GatewayError(502, _cut_message(tally, "the upstream ended the stream early"),
-                                 code="upstream_stream_truncated")
-    except sse.SSEProtocolError as e:
-        error = GatewayError(502, _cut_message(tally, str(e)), code="upstream_protocol_error")
-    except asyncio.TimeoutError:
-        error = GatewayError(504, _cut_message(tally, "the upstream stopped sending"),
-                             code="upstream_timeout")
-    except aiohttp.ClientPayloadError:
-        error = GatewayError(502, _cut_message(tally, "the upstream connection broke"),
-                             code="upstream_stream_truncated")
-    except aiohttp.ClientConnectionError:
-        error = GatewayError(502, _cut_message(tally, "the upstream connection broke"),
-                             code="upstream_stream_truncated")
+        error = await relay_stream(
+            call.uresp, EventParser(tally, call.strip_usage), emit_sse(response, tally), gate
+        )
+        if error is not None:
+            error.message = _cut_message(tally, error.message)
+            await response.write(sse.encode(error.json()) + sse.DONE_EVENT)
     except ConnectionResetError:
         return CLIENT_CLOSED
-    if error is not None:
-        try:
-            await response.write(sse.encode(error.json()) + sse.DONE_EVENT)
-        except ConnectionResetError:
-            return CLIENT_CLOSED
-        await response.write_eof()
-        return error.status
     await response.write_eof()
-    return 200
+    return 200 if error is None else error.status
 
 
 def _cut_message(tally: StreamTally, why: str) -> str:
-    return (f"The stream was cut after {tally.chunks} content chunks: {why}. "
-            "The answer is incomplete.")
+    return (
+        f"The stream was cut after {tally.deltas} content deltas: {why}. The answer is incomplete."
+    )
 
 
 async def list_models(request: web.Request) -> web.Response:
     _request_id(request)
-    request.app[AUTH].check(request.headers.get("Authorization"))
-    names = await request.app[ROUTER].models()
+    gw = request.app[GATEWAY]
+    gw.auth.check(request.headers.get("Authorization"))
+    names = await gw.router.models()
     data = [{"id": n, "object": "model", "created": 0, "owned_by": "tokenpipe"} for n in names]
     return json_response(200, orjson.dumps({"object": "list", "data": data}))
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
-    return web.Response(body=metrics.render(),
-                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    return web.Response(
+        body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -266,24 +246,21 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    if request.app[STATE].get("draining"):
-        return json_response(503, GatewayError(503, "Draining: shutting down.",
-                                               code="draining").json())
+    if request.app[GATEWAY].draining:
+        return json_response(
+            503, GatewayError(503, "Draining: shutting down.", code="draining").json()
+        )
     return json_response(200, b'{"status":"ready"}')
 
 
-def build_app(settings: Settings, router: Router) -> web.Application:
+def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(
         middlewares=[errors_middleware],
         # aiohttp's own cap, one byte over ours so that our 413 (OpenAI-shaped) answers first.
-        client_max_size=settings.server.max_body_bytes + 1,
+        client_max_size=gateway.settings.server.max_body_bytes + 1,
         handler_args={"max_field_size": 16384, "max_line_size": 16384},
     )
-    app[SETTINGS] = settings
-    app[ROUTER] = router
-    app[AUTH] = Authenticator(settings.auth.api_keys)
-    app[CONTEXT] = ContextBudget(settings.context, router)
-    app[STATE] = {"draining": False}
+    app[GATEWAY] = gateway
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
@@ -291,18 +268,12 @@ def build_app(settings: Settings, router: Router) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
 
-    async def close_router(app: web.Application) -> None:
-        await router.close()
+    async def start(app: web.Application) -> None:
+        await gateway.start()
 
-    app.on_cleanup.append(close_router)
-    traffic = app[TRAFFIC] = TrafficControl(settings)
+    async def close(app: web.Application) -> None:
+        await gateway.close()
 
-    async def start_traffic(app: web.Application) -> None:
-        await traffic.start()
-
-    async def close_traffic(app: web.Application) -> None:
-        await traffic.close()
-
-    app.on_startup.append(start_traffic)
-    app.on_cleanup.append(close_traffic)
+    app.on_startup.append(start)
+    app.on_cleanup.append(close)
     return app

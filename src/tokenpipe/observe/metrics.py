@@ -145,3 +145,21 @@ CONTEXT_SUMMARIES = Counter(
     ("outcome",),
     registry=REGISTRY,
 )
+
+# -- relay: backpressure and merging (relay.py) -----------------------------------------------
+
+STREAM_MERGED_DELTAS = Counter(
+    "tokenpipe_stream_merged_deltas",
+    "Upstream deltas merged into a neighbour because the client read slower than the upstream.",
+    registry=REGISTRY,
+)
+STREAM_BUFFER_BYTES = Gauge(
+    "tokenpipe_stream_buffer_bytes",
+    "Bytes of stream content queued between upstream readers and client writers, all streams.",
+    registry=REGISTRY,
+)
+UPSTREAM_READ_PAUSED = Counter(
+    "tokenpipe_upstream_read_paused_seconds",
+    "Seconds upstream reads were paused because a client's queue was over its high watermark.",
+    registry=REGISTRY,
+)

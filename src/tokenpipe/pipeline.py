@@ -1,0 +1,136 @@
+"""The request path below the protocol fronts, shared by HTTP and gRPC:
+context budget -> per-key admission -> upstream limiter -> router -> the upstream call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from tokenpipe.context.budget import ContextBudget, ContextOutcome
+from tokenpipe.control.traffic import Ticket, TrafficControl
+from tokenpipe.front import schema
+from tokenpipe.front.auth import Authenticator
+from tokenpipe.observe import metrics
+from tokenpipe.relay import StreamTally
+from tokenpipe.router import Router
+from tokenpipe.settings import Settings
+from tokenpipe.upstream.http import HttpUpstream
+
+PATHS = {schema.ChatRequest: "/chat/completions", schema.CompletionRequest: "/completions"}
+
+
+class Gateway:
+    """Everything a request needs, built once per process from the settings."""
+
+    def __init__(self, settings: Settings, router: Router) -> None:
+        self.settings = settings
+        self.router = router
+        self.auth = Authenticator(settings.auth.api_keys)
+        self.context = ContextBudget(settings.context, router)
+        self.traffic = TrafficControl(settings)
+        self.draining = False
+
+    async def start(self) -> None:
+        await self.traffic.start()
+
+    async def close(self) -> None:
+        await self.traffic.close()
+        await self.router.close()
+
+    async def open(
+        self,
+        kind: type[schema.ChatRequest] | type[schema.CompletionRequest],
+        req: Any,
+        obj: dict[str, Any],
+        body: bytes,
+        *,
+        key: str,
+        request_id: str,
+        started: float,
+        headers: Mapping[str, str],
+    ) -> Call:
+        """Sends the request upstream; returns once the upstream's headers arrived.
+
+        `obj` is the request as the client sent it; `body` its bytes, forwarded unchanged
+        unless a hop below must change the request."""
+        ctx = await self.context.apply(kind, req, obj, headers)  # may shorten the request
+        changed = ctx.body is not None
+        strip_usage = False
+        if req.stream:
+            opts = obj.get("stream_options")
+            if isinstance(opts, dict) and "max_tokens_per_second" in opts:
+                # tokenpipe's own extension: the relay paces to it; upstreams would reject it.
+                opts = {k: v for k, v in opts.items() if k != "max_tokens_per_second"}
+                obj["stream_options"] = opts
+                changed = True
+            wants_usage = bool(req.stream_options and req.stream_options.include_usage)
+            if not wants_usage:
+                upstreams = await self.router.candidates(req.model)
+                if all(u.settings.request_usage for u in upstreams):
+                    obj["stream_options"] = {
+                        **(obj.get("stream_options") or {}),
+                        "include_usage": True,
+                    }
+                    changed = strip_usage = True
+        if changed:
+            body = orjson.dumps(obj)
+        # Per-key quota (429 when over; it needs the token count, so it follows the parse),
+        # then the upstream limiter inside open(): waits for capacity, learns from the answer.
+        ticket = await self.traffic.admit(key, obj)
+        try:
+            upstream, uresp = await self.router.open(
+                req.model, PATHS[kind], body, request_id, ticket
+            )
+        except BaseException:
+            ticket.finish()
+            raise
+        return Call(
+            upstream,
+            uresp,
+            StreamTally(upstream.name, req.model, started),
+            ticket,
+            ctx,
+            strip_usage,
+        )
+
+
+class Call:
+    """One upstream call in flight. `close(status)` must run exactly once, whatever happens."""
+
+    __slots__ = ("ctx", "gauge", "strip_usage", "tally", "ticket", "upstream", "uresp")
+
+    def __init__(
+        self,
+        upstream: HttpUpstream,
+        uresp: aiohttp.ClientResponse,
+        tally: StreamTally,
+        ticket: Ticket,
+        ctx: ContextOutcome,
+        strip_usage: bool,
+    ) -> None:
+        self.upstream = upstream
+        self.uresp = uresp
+        self.tally = tally
+        self.ticket = ticket
+        self.ctx = ctx
+        self.strip_usage = strip_usage
+        self.gauge = metrics.INFLIGHT.labels(*tally.labels)
+        self.gauge.inc()
+
+    def close(self, status: int) -> None:
+        self.uresp.close()  # at once: a client that went away must not keep the upstream busy
+        self.gauge.dec()
+        tally = self.tally
+        tally.finish(status)
+        self.ticket.finish(tally.usage, status)
+        self.ctx.observe(tally.usage)
+
+
+def now() -> float:
+    """The clock of request timing (TTFT, durations): perf_counter, monotonic on Linux."""
+    return time.perf_counter()
