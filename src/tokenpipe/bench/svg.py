@@ -119,7 +119,7 @@ def histogram(
     values = sorted(v for vs in series.values() for v in vs)
     if not values:
         return _empty(title, plot_id)
-    hi = values[min(len(values) - 1, int(clip_quantile * len(values)))] * 1.05 or 1.0
+    hi = _nice_max(values[min(len(values) - 1, int(clip_quantile * len(values)))] * 1.05)
     lo = 0.0
     width = (hi - lo) / bins
     shares: dict[str, list[float]] = {}
@@ -179,7 +179,8 @@ def lines(
         x_end = xmax if slope <= 0 else min(xmax, max(0.0, (ymax - intercept) / slope))
         f.add(
             f'<line x1="{f.sx(0):.1f}" y1="{f.sy(min(ymax, max(0.0, intercept))):.1f}" '
-            f'x2="{f.sx(x_end):.1f}" y2="{f.sy(min(ymax, max(0.0, intercept + slope * x_end))):.1f}" '
+            f'x2="{f.sx(x_end):.1f}" '
+            f'y2="{f.sy(min(ymax, max(0.0, intercept + slope * x_end))):.1f}" '
             f'stroke="#111" stroke-dasharray="5 4"/>'
         )
     if len(series) > 1 or fit is not None:

@@ -36,7 +36,7 @@ class TracedRequest:
         """Client phases (ms) that add up to the request's end-to-end time, plus `server_*`
         phases where the server reported them (these overlap the client ones)."""
         m, r = self.marks, self.record
-        start = m.get("request_start", r.sent_at)
+        start = r.sent_at  # so the phases add up to the e2e time
         dns = _span(m, "dns_start", "dns_end")
         conn_total = _span(m, "conn_start", "conn_end")
         tls = 0.0
