@@ -33,18 +33,16 @@ async def test_ttft_and_itl_match_the_sims_configured_timing(paced):
     r = await run_load(paced.url + "/v1", "m", concurrency=2, requests=8, max_tokens=30, warmup=2)
     s = r.summary().to_json()
     assert s["requests_ok"] == 8 and s["requests_failed"] == 0
-    # TTFT = the sim's 100 ms + the time the request takes to reach it and its headers to
-    # come back (1-10 ms for two Python processes on a busy 2-core machine, which is the
-    # server's latency, not a measuring error). The client's own part: from the response
-    # headers (sent with the role chunk when the sim's clock starts) to the first content
-    # token is the configured 100 ms within 2 ms.
-    after_headers = sorted(
-        (rec.ttft or 0) - (rec.headers_at - rec.sent_at)  # type: ignore
-        for rec in r.records
-    )
-    assert abs(after_headers[len(after_headers) // 2] * 1000 - 100) <= 2
-    headers_ms = sorted((rec.headers_at - rec.sent_at) * 1000 for rec in r.records)  # type: ignore
-    assert 100 <= s["ttft_ms"]["p50"] <= 100 + headers_ms[-1] + 2
+    # TTFT = the sim's 100 ms + what any request costs before the sim's clock starts
+    # (loopback, parsing; 1-10 ms for two Python processes on a busy 2-core machine). That
+    # base is measured the same way with the first token due at once; the sim never sends
+    # early, so the fastest request of each kind has the least scheduling noise.
+    base = await run_load(paced.url + "/v1", "m", concurrency=2, requests=8, max_tokens=2,
+                          headers={"x-sim-ttft-ms": "0"}, warmup=2)
+    base_ms = min((rec.ttft or 0) for rec in base.records) * 1000
+    fastest_ms = min((rec.ttft or 0) for rec in r.records) * 1000
+    assert abs(fastest_ms - base_ms - 100) <= 2
+    assert 100 <= s["ttft_ms"]["p50"] <= 100 + base_ms + 10
     assert s["itl_token_ms"]["p50"] == pytest.approx(10, rel=0.05)
     assert s["itl_chunk_ms"]["p50"] == pytest.approx(10, rel=0.05)
     assert s["tpot_ms"]["p50"] == pytest.approx(10, rel=0.05)
