@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,8 +39,15 @@ async def test_ttft_and_itl_match_the_sims_configured_timing(paced):
     # (loopback, parsing; 1-10 ms for two Python processes on a busy 2-core machine). That
     # base is measured the same way with the first token due at once; the sim never sends
     # early, so the fastest request of each kind has the least scheduling noise.
-    base = await run_load(paced.url + "/v1", "m", concurrency=2, requests=8, max_tokens=2,
-                          headers={"x-sim-ttft-ms": "0"}, warmup=2)
+    base = await run_load(
+        paced.url + "/v1",
+        "m",
+        concurrency=2,
+        requests=8,
+        max_tokens=2,
+        headers={"x-sim-ttft-ms": "0"},
+        warmup=2,
+    )
     base_ms = min((rec.ttft or 0) for rec in base.records) * 1000
     fastest_ms = min((rec.ttft or 0) for rec in r.records) * 1000
     assert abs(fastest_ms - base_ms - 100) <= 2
@@ -160,16 +169,69 @@ def test_cli_json_has_a_summary_and_one_run_per_concurrency_and_protocol(sim, tm
     assert "HTTP/1.1" in p.stdout
 
 
-def test_grpc_protocol_is_skipped_with_a_reason_until_the_generated_code_exists(sim):
+def _has_grpc_gen() -> bool:
     try:
-        import tokenpipe.front.grpc_gen  # noqa: F401
+        import tokenpipe.front.grpc_gen.chat_pb2  # noqa: F401
     except ImportError:
-        pass
-    else:
-        pytest.skip("tokenpipe.front.grpc_gen exists: the gRPC client is live")
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_grpc_gen(), reason="the generated gRPC code exists")
+def test_grpc_protocol_is_skipped_with_a_reason_until_the_generated_code_exists(sim):
     p = _bench(sim.url + "/v1", "--protocol", "grpc", "--requests", "1")
     assert p.returncode == 2
     assert "grpc_gen" in p.stderr and "skipped" in p.stderr
+
+
+@pytest.mark.skipif(not _has_grpc_gen(), reason="no generated gRPC code yet")
+def test_compare_sse_and_grpc_through_the_gateway_in_one_interleaved_run(tmp_path: Path):
+    with socket.socket() as sock:  # a free port for gRPC (the gateway's 0 turns gRPC off)
+        sock.bind(("127.0.0.1", 0))
+        grpc_port = sock.getsockname()[1]
+    with (
+        procs.sim("--ttft-ms", "20", "--itl-ms", "5") as upstream,
+        procs.Service(
+            "serve",
+            "--port",
+            "0",
+            "--grpc-port",
+            str(grpc_port),
+            "--upstream",
+            upstream.url + "/v1",
+            name="gateway",
+        ) as gw,
+    ):
+        deadline = time.monotonic() + 30
+        while "gRPC listening" not in gw.output():
+            assert time.monotonic() < deadline, gw.output()
+            time.sleep(0.05)  # polling a condition with a deadline
+        grpc_url = f"127.0.0.1:{grpc_port}"
+        out = tmp_path / "ab.json"
+        p = _bench(
+            gw.url + "/v1",
+            "--compare",
+            "sse,grpc",
+            "--grpc-url",
+            grpc_url,
+            "--concurrency",
+            "2",
+            "--requests",
+            "8",
+            "--max-tokens",
+            "10",
+            "--warmup",
+            "0",
+            "--json",
+            str(out),
+        )
+    assert p.returncode == 0, p.stderr
+    runs = {r["protocol"]: r["summary"] for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"sse", "grpc"}
+    for summary in runs.values():
+        assert summary["requests_ok"] == 4 and summary["requests_failed"] == 0
+        assert summary["output_tokens"] == 40
+        assert summary["itl_token_ms"]["p50"] == pytest.approx(5, rel=0.25)
 
 
 def test_self_test_reports_the_clients_ceiling(tmp_path: Path):
