@@ -73,7 +73,27 @@ def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
     if drain_seconds is not None:
         cfg.server.drain_seconds = drain_seconds
     if not cfg.upstreams:
-        _fail("no upstream: pass --upstream URL, or a --config with upstreams.")
+        # No upstream: the embedded local model, run as a managed child process `tokenpipe
+        # local` (not in this process: its per-token Python work would compete with the
+        # gateway's event loop for the GIL, a native crash would take the gateway down, and as
+        # a child it is reached like any other upstream). See engines/local/child.py.
+        from tokenpipe.engines.local import child
+        from tokenpipe.engines.local import model as local_model
+
+        if not local_model.installed():
+            _fail("no upstream configured (--upstream URL or a --config with upstreams), and "
+                  + local_model.INSTALL_HINT)
+        try:
+            with child.local_engine() as url:
+                cfg.upstreams = [settings_mod.upstream_from_url(url, 0)]
+                click.echo(f"upstream: the local model (Gemma 3 270M) at {url}", err=True)
+                if cfg.server.port:
+                    click.echo(child.examples(f"http://{cfg.server.host}:{cfg.server.port}/v1"),
+                               err=True)
+                serving.run(gateway.run(cfg))
+        except child.ChildFailed as e:
+            _fail(str(e))
+        return
     if workers > 1:
         from tokenpipe import workers as workers_mod
 

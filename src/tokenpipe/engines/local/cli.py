@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from tokenpipe.cli import _fail, _logging, main
@@ -23,9 +21,8 @@ from tokenpipe.cli import _fail, _logging, main
 @click.option(
     "--threads",
     type=click.IntRange(min=1),
-    default=max(1, os.cpu_count() or 1),
-    show_default=True,
-    help="llama.cpp threads.",
+    default=None,
+    help="llama.cpp threads.  [default: one fewer than the CPUs, at least 1]",
 )
 @click.option(
     "--max-queue",
@@ -72,7 +69,7 @@ def local(
     host: str,
     port: int,
     n_ctx: int,
-    threads: int,
+    threads: int | None,
     max_queue: int,
     max_queue_wait: float,
     max_pause: float,
@@ -100,7 +97,9 @@ def local(
 
     try:
         loaded = model_mod.LoadedModel(
-            model_mod.ModelOptions(n_ctx=n_ctx, n_threads=threads, path=model_path)
+            model_mod.ModelOptions(
+                n_ctx=n_ctx, n_threads=threads or model_mod.default_threads(), path=model_path
+            )
         )
     except (model_mod.ModelMissing, ValueError, OSError) as e:
         _fail(f"cannot load the model: {e}")
