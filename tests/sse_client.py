@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,11 @@ class StreamResult:
 
 
 async def post_stream(
-    url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 30.0
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+    on_chunk: Callable[[dict[str, Any]], None] | None = None,
 ) -> StreamResult:
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
@@ -65,4 +70,6 @@ async def post_stream(
                     result.done = True
                 else:
                     result.chunks.append(orjson.loads(ev.data))
+                    if on_chunk is not None:
+                        on_chunk(result.chunks[-1])
         return result

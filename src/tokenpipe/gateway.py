@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 from aiohttp import web
 
@@ -22,9 +23,25 @@ def build(settings: Settings) -> web.Application:
 async def run(settings: Settings, sock: socket.socket | None = None) -> None:
     """`sock`: an already bound listening socket (serve --workers), else host:port."""
     app = build(settings)
+    gw = app[front_http.GATEWAY]
+    grpc_server: Any = None
 
     def draining() -> None:
-        app[front_http.GATEWAY].draining = True
+        gw.draining = True
+
+    async def start_grpc() -> None:
+        nonlocal grpc_server
+        if settings.server.grpc_port:
+            from tokenpipe.front import grpc as front_grpc  # grpc loads only when used
+
+            grpc_server = await front_grpc.start_server(
+                gw, settings.server.host, settings.server.grpc_port
+            )
+
+    async def stop_grpc() -> None:
+        if grpc_server is not None:
+            # Stops accepting, lets open streams finish for the drain time, then cancels them.
+            await grpc_server.stop(settings.server.drain_seconds)
 
     await serving.serve(
         app,
@@ -33,5 +50,7 @@ async def run(settings: Settings, sock: socket.socket | None = None) -> None:
         drain_seconds=settings.server.drain_seconds,
         name="tokenpipe gateway",
         on_draining=draining,
+        extra_start=start_grpc,
+        extra_stop=stop_grpc,
         sock=sock,
     )

@@ -281,7 +281,6 @@ class Accumulator:
         "closed",
         "error",
         "merged",
-        "merging",
         "paused_s",
         "pending",
         "size",
@@ -294,16 +293,15 @@ class Accumulator:
         self.error: GatewayError | None = None
         self.merged = 0  # deltas merged into a neighbour
         self.paused_s = 0.0  # seconds the reader waited for the writer
-        #: True while the writer is held up (a client write is waiting for the socket to drain,
-        #: or the flow gate holds it back): only then are new deltas merged into the last one.
-        #: A client that keeps up gets the upstream's events one for one.
-        self.merging = False
         self._data = asyncio.Event()
         self._drained = asyncio.Event()
 
     def put(self, piece: Piece) -> None:
         pending = self.pending
-        if self.merging and piece.template is not None and pending:
+        # Content that queues behind content not yet sent joins it: whatever waits for the
+        # client leaves as one event. Nothing waits when the client keeps up (the writer takes
+        # each piece as it comes), so then events pass one for one, as the upstream sent them.
+        if piece.template is not None and pending:
             last = pending[-1]
             if (
                 last.template is not None
@@ -403,7 +401,7 @@ async def read_upstream(
             )
     except sse.SSEProtocolError as e:
         error = GatewayError(502, str(e), code="upstream_protocol_error")
-    except asyncio.TimeoutError:
+    except TimeoutError:
         error = GatewayError(504, "the upstream stopped sending", code="upstream_timeout")
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
         error = GatewayError(502, "the upstream connection broke", code="upstream_stream_truncated")
@@ -434,12 +432,10 @@ async def pump(
         else:
             allowed, wait = gate.allowance()
         pieces, tokens = acc.take(allowed)
-        acc.merging = True
         if pieces:
             if gate is not None:
                 gate.consume(tokens)
             await emit(pieces)
-            acc.merging = False
             continue
         # Held back by flow control: wait for time (pace) or a change (credit, cancel).
         if gate_changed is None:
@@ -450,9 +446,8 @@ async def pump(
             gate_changed.clear()
             try:
                 await asyncio.wait_for(gate_changed.wait(), None if math.isinf(wait) else wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
-        acc.merging = False
 
 
 async def relay_stream(
@@ -478,8 +473,15 @@ async def relay_stream(
         acc.discard()
 
 
-def emit_sse(response: Any, tally: StreamTally) -> Emit:
-    """An emitter writing pieces as SSE bytes to an aiohttp StreamResponse."""
+def emit_sse(
+    response: Any, tally: StreamTally, drain: Callable[[], Awaitable[None]] | None = None
+) -> Emit:
+    """An emitter writing pieces as SSE bytes to an aiohttp StreamResponse.
+
+    `drain` (the request writer's) waits while the socket's send buffer is over its high
+    watermark: aiohttp itself checks only every 64 KiB, which would park a stale backlog of
+    un-merged events in front of a slow client.
+    """
 
     async def emit(pieces: list[Piece]) -> None:
         now = 0.0
@@ -491,5 +493,7 @@ def emit_sse(response: Any, tally: StreamTally) -> Emit:
                 tally.deltas += len(piece.parts)
             out.append(piece.event())
         await response.write(b"".join(out))
+        if drain is not None:
+            await drain()
 
     return emit

@@ -70,9 +70,9 @@ async def serve(
         print(f"{name} draining (up to {drain_seconds:g} s)", file=sys.stderr, flush=True)
         if on_draining is not None:
             on_draining()
-        if extra_stop is not None:
-            await extra_stop()
-        await runner.cleanup()
+        # Both fronts drain at the same time, each within drain_seconds.
+        stops = [runner.cleanup()] + ([extra_stop()] if extra_stop is not None else [])
+        await asyncio.gather(*stops)
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

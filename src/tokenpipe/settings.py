@@ -29,6 +29,10 @@ class ServerSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     drain_seconds: Annotated[float, Meta(ge=0)] = 30.0
     #: A client must send its request headers and body within this time (seconds).
     read_timeout_seconds: PositiveFloat = 30.0
+    #: Kernel send buffer of a streaming client's socket (bytes; 0: the kernel's autotuning,
+    #: up to 4 MiB on Linux). Small, so a slow reader is noticed at once and gets merged
+    #: events instead of a stale backlog parked in the kernel; tokens need little bandwidth.
+    stream_send_buffer_bytes: Annotated[int, Meta(ge=0)] = 16 * 1024
 
 
 class ApiKey(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -203,8 +207,9 @@ def check(settings: Settings) -> None:
 def upstream_from_url(url: str, index: int) -> UpstreamSettings:
     """`serve --upstream URL`: a base URL with or without `/v1`."""
     try:
-        return msgspec.convert({"name": f"upstream{index}", "url": normalise_base_url(url)},
-                               UpstreamSettings)
+        return msgspec.convert(
+            {"name": f"upstream{index}", "url": normalise_base_url(url)}, UpstreamSettings
+        )
     except msgspec.ValidationError:
         raise ConfigError(f"--upstream must be an http(s) URL, got {url!r}") from None
 

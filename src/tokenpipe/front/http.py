@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -137,11 +139,24 @@ async def _completion(
         sse_response = web.StreamResponse(
             status=200, headers={**_SSE_HEADERS, "x-request-id": rid, **call.ctx.headers}
         )
+        _bound_client_buffers(request, gw.settings.server.stream_send_buffer_bytes)
         await sse_response.prepare(request)
-        status = await _relay_sse(call, sse_response, gate)
+        status = await _relay_sse(call, sse_response, gate, request.writer.drain)
         return sse_response
     finally:
         call.close(status)
+
+
+def _bound_client_buffers(request: web.Request, sndbuf: int) -> None:
+    """Keeps what waits for a slow client small, so the relay sees it and merges (relay.py)."""
+    transport = request.transport
+    if transport is None or not sndbuf:
+        return
+    # The event loop's own buffer: the write waits (drain) above this many bytes.
+    transport.set_write_buffer_limits(high=sndbuf)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
 
 
 def _pace(request: web.Request, req: Any) -> FlowGate | None:
@@ -170,7 +185,7 @@ async def _unary(
     """A non-streamed answer, or an upstream error before streaming: passed through as sent."""
     try:
         body = await read_bounded(uresp)
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         raise GatewayError(
             502, "Upstream closed the connection before answering.", code="upstream_error"
         ) from None
@@ -204,12 +219,17 @@ async def _unary(
     return status, json_response(status, body, headers)
 
 
-async def _relay_sse(call: Call, response: web.StreamResponse, gate: FlowGate | None) -> int:
+async def _relay_sse(
+    call: Call,
+    response: web.StreamResponse,
+    gate: FlowGate | None,
+    drain: Callable[[], Awaitable[None]],
+) -> int:
     """Returns the status to record. Errors after the first byte become an SSE error event."""
     tally = call.tally
     try:
         error = await relay_stream(
-            call.uresp, EventParser(tally, call.strip_usage), emit_sse(response, tally), gate
+            call.uresp, EventParser(tally, call.strip_usage), emit_sse(response, tally, drain), gate
         )
         if error is not None:
             error.message = _cut_message(tally, error.message)

@@ -1,0 +1,306 @@
+"""The gRPC front: `tokenpipe.v1.Chat/ChatStream`, many chat requests on one bidirectional stream.
+
+Each request runs in its own task with its own reader, accumulator and flow gate (relay.py), so a
+request paused by zero credit or a low pace holds up nothing but itself: the others keep writing
+to the shared stream. Writes to the stream are serialised by one lock (gRPC allows one writer at a
+time); a write waits only when the whole stream's HTTP/2 window is full, i.e. when the client
+stops reading altogether.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import grpc
+import msgspec
+import orjson
+from grpc_reflection.v1alpha import reflection
+
+from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.errors import GatewayError
+from tokenpipe.front import schema
+from tokenpipe.front.grpc_gen import chat_pb2, chat_pb2_grpc
+from tokenpipe.pipeline import Gateway
+from tokenpipe.relay import EventParser, Piece, relay_stream
+from tokenpipe.upstream.http import read_bounded
+
+log = logging.getLogger("tokenpipe.grpc")
+
+#: Requests open at once on one ChatStream (FlowControl for a request not yet sent counts too).
+#: Past it, the new request gets an Error with status 429 and the stream goes on.
+MAX_OPEN_REQUESTS = 256
+#: Status recorded for a request the client cancelled or abandoned.
+CLIENT_CLOSED = 499
+
+
+class _Request:
+    """Flow state of one request id on a stream: may exist before its ChatRequest arrives."""
+
+    __slots__ = ("changed", "gate", "task")
+
+    def __init__(self) -> None:
+        self.gate = FlowGate()
+        self.changed = asyncio.Event()  # set on every FlowControl for this request
+        self.task: asyncio.Task[None] | None = None
+
+
+class ChatService(chat_pb2_grpc.ChatServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def ChatStream(
+        self,
+        request_iterator: AsyncIterator[chat_pb2.ClientMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        try:
+            key = self.gateway.auth.check(metadata.get("authorization"))
+        except GatewayError as e:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.message)
+            return
+        await _Session(self.gateway, context, key).run(request_iterator)
+
+
+class _Session:
+    """One ChatStream call: reads client messages, runs a task per request, writes replies."""
+
+    def __init__(self, gateway: Gateway, context: Any, key: str) -> None:
+        self.gateway = gateway
+        self.context = context
+        self.key = key
+        self.requests: dict[str, _Request] = {}
+        self.write_lock = asyncio.Lock()
+
+    async def send(self, message: chat_pb2.ServerMessage) -> None:
+        async with self.write_lock:
+            await self.context.write(message)
+
+    async def error(self, request_id: str, e: GatewayError) -> None:
+        await self.send(
+            chat_pb2.ServerMessage(
+                request_id=request_id,
+                error=chat_pb2.Error(status=e.status, type=e.type, message=e.message),
+            )
+        )
+
+    async def run(self, messages: AsyncIterator[chat_pb2.ClientMessage]) -> None:
+        try:
+            async for msg in messages:
+                kind = msg.WhichOneof("kind")
+                if kind == "request":
+                    await self._start(msg.request)
+                elif kind == "flow":
+                    await self._flow(msg.flow)
+                elif kind == "cancel":
+                    state = self.requests.get(msg.cancel.request_id)
+                    if state is not None and state.task is not None:
+                        state.task.cancel()
+            # The client half-closed: the requests it sent still finish.
+            tasks = [s.task for s in self.requests.values() if s.task is not None]
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            # The call ended (client gone, deadline, server stop): no request outlives it.
+            tasks = [s.task for s in self.requests.values() if s.task and not s.task.done()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _state(self, request_id: str) -> _Request | None:
+        state = self.requests.get(request_id)
+        if state is None:
+            if len(self.requests) >= MAX_OPEN_REQUESTS:
+                return None
+            state = self.requests[request_id] = _Request()
+        return state
+
+    async def _flow(self, flow: chat_pb2.FlowControl) -> None:
+        state = self._state(flow.request_id)
+        if state is None:
+            await self.error(flow.request_id, _too_many())
+            return
+        if flow.HasField("credit_tokens"):
+            state.gate.grant(flow.credit_tokens)
+        if flow.HasField("max_tokens_per_second"):
+            state.gate.set_rate(flow.max_tokens_per_second)
+        state.changed.set()
+
+    async def _start(self, req: chat_pb2.ChatRequest) -> None:
+        rid = req.request_id
+        state = self._state(rid)
+        if state is None:
+            await self.error(rid, _too_many())
+            return
+        if state.task is not None:
+            await self.error(
+                rid,
+                GatewayError(
+                    400,
+                    f"request_id {rid!r} is already in use on this stream.",
+                    code="duplicate_request_id",
+                ),
+            )
+            return
+        state.task = asyncio.create_task(self._serve(rid, req, state))
+        state.task.add_done_callback(lambda _: self.requests.pop(rid, None))
+
+    async def _serve(self, rid: str, req: chat_pb2.ChatRequest, state: _Request) -> None:
+        try:
+            await self._serve_unguarded(rid, req, state)
+        except GatewayError as e:
+            await self.error(rid, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("gRPC request %s failed", rid)
+            await self.error(rid, GatewayError(500, "Internal error in the gateway."))
+
+    async def _serve_unguarded(self, rid: str, req: chat_pb2.ChatRequest, state: _Request) -> None:
+        started = time.perf_counter()
+        obj: dict[str, Any] = {
+            "model": req.model,
+            "messages": [{"role": m.role, "content": m.content} for m in req.messages],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if req.HasField("max_tokens"):
+            obj["max_tokens"] = req.max_tokens
+        if req.HasField("temperature"):
+            obj["temperature"] = req.temperature
+        try:
+            creq = msgspec.convert(obj, schema.ChatRequest)
+        except msgspec.ValidationError as e:
+            raise GatewayError(400, f"Invalid request: {e}", code="invalid_request") from None
+        call = await self.gateway.open(
+            schema.ChatRequest,
+            creq,
+            obj,
+            orjson.dumps(obj),
+            key=self.key,
+            request_id=uuid.uuid4().hex,
+            started=started,
+            headers={},
+        )
+        status = CLIENT_CLOSED
+        try:
+            if call.uresp.status != 200:
+                status = call.uresp.status
+                await self.error(rid, await _upstream_error(call.uresp))
+                return
+            finish: list[str] = []
+
+            async def emit(pieces: list[Piece]) -> None:
+                now = 0.0
+                for piece in pieces:
+                    if piece.parts:
+                        now = now or time.perf_counter()
+                        call.tally.observe_content(now)
+                        call.tally.deltas += len(piece.parts)
+                        await self.send(
+                            chat_pb2.ServerMessage(
+                                request_id=rid,
+                                delta=chat_pb2.Delta(content=piece.text, tokens=len(piece.parts)),
+                            )
+                        )
+                    if piece.finish_reason:
+                        finish.append(piece.finish_reason)
+                    if piece.error is not None:
+                        finish.append("error")
+                        await self.send(
+                            chat_pb2.ServerMessage(
+                                request_id=rid,
+                                error=chat_pb2.Error(
+                                    status=502,
+                                    type=str(piece.error.get("type") or "upstream_error"),
+                                    message=str(piece.error.get("message") or "upstream error"),
+                                ),
+                            )
+                        )
+
+            error = await relay_stream(
+                call.uresp, EventParser(call.tally, False), emit, state.gate, state.changed
+            )
+            if error is not None:
+                status = error.status
+                error.message = (
+                    f"The stream was cut after {call.tally.deltas} content "
+                    f"deltas: {error.message}. The answer is incomplete."
+                )
+                await self.error(rid, error)
+                return
+            usage = call.tally.usage
+            if usage:
+                await self.send(
+                    chat_pb2.ServerMessage(
+                        request_id=rid,
+                        usage=chat_pb2.Usage(
+                            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                            completion_tokens=int(usage.get("completion_tokens") or 0),
+                        ),
+                    )
+                )
+            if "error" not in finish:
+                await self.send(
+                    chat_pb2.ServerMessage(
+                        request_id=rid,
+                        done=chat_pb2.Done(finish_reason=finish[-1] if finish else "stop"),
+                    )
+                )
+            status = 200
+        finally:
+            call.close(status)
+
+
+def _too_many() -> GatewayError:
+    return GatewayError(
+        429,
+        f"More than {MAX_OPEN_REQUESTS} requests open on this stream.",
+        code="too_many_open_requests",
+    )
+
+
+async def _upstream_error(uresp: aiohttp.ClientResponse) -> GatewayError:
+    try:
+        body = orjson.loads(await read_bounded(uresp, 1024 * 1024))
+        err = body["error"]
+        return GatewayError(
+            uresp.status, str(err.get("message")), type=err.get("type"), code=err.get("code")
+        )
+    except (
+        TimeoutError,
+        aiohttp.ClientError,
+        orjson.JSONDecodeError,
+        LookupError,
+        TypeError,
+        AttributeError,
+    ):
+        return GatewayError(
+            uresp.status if uresp.status >= 400 else 502,
+            f"Upstream answered with status {uresp.status}.",
+        )
+
+
+async def start_server(gateway: Gateway, host: str, port: int) -> grpc.aio.Server:
+    max_bytes = gateway.settings.server.max_body_bytes
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", 16 * 1024 * 1024),
+            # Idle streams are pinged so that dead clients are noticed and their requests freed.
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+        ]
+    )
+    chat_pb2_grpc.add_ChatServicer_to_server(ChatService(gateway), server)
+    names = (chat_pb2.DESCRIPTOR.services_by_name["Chat"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    print(f"tokenpipe gRPC listening on {host}:{bound}", flush=True)
+    return server
