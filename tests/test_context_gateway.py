@@ -124,6 +124,33 @@ def slow_gateway(
         yield g
 
 
+@pytest.fixture(scope="module")
+def sticky_gateway(
+    sims: tuple[procs.Service, procs.Service], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[procs.Service]:
+    fast, _ = sims
+    config = {
+        "upstreams": [{"name": "fast", "url": fast.url + "/v1"}],
+        "context": {
+            "compress_target": 0.6,
+            "margin_tokens": 8,
+            "reserve_output_tokens": 64,
+            "min_output_tokens": 16,
+            "summary_max_tokens": SUMMARY_MAX,
+            "summarizer_model": "big-summarizer",
+            "models": [
+                {"name": "small-window", "window": WINDOW},
+                {"name": "summarized", "window": WINDOW, "policy": "summarize"},
+                {"name": "big-summarizer", "window": 100_000},
+            ],
+        },
+    }
+    path = tmp_path_factory.mktemp("context-sticky") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with procs.gateway("--config", str(path)) as g:
+        yield g
+
+
 def chat(
     gw: procs.Service,
     model: str,
@@ -321,3 +348,36 @@ def test_compression_is_counted_in_metrics(gateway: procs.Service) -> None:
         if line.startswith('tokenpipe_context_tokens_saved_total{policy="truncate"}')
     ]
     assert saved and float(saved[0].split()[-1]) > 1000
+
+
+def _next_turn(msgs: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    return [
+        *msgs,
+        {"role": "assistant", "content": f"answer {n} is short"},
+        {"role": "user", "content": f"follow-up question number {n} please"},
+    ]
+
+
+@pytest.mark.parametrize("model", ["small-window", "summarized"])
+def test_later_turns_are_cut_where_the_first_compression_cut(
+    sticky_gateway: procs.Service, sims: tuple[procs.Service, procs.Service], model: str
+) -> None:
+    """With compress_target 0.6 the next turns fit behind the same cut: the prefix sent stays
+    the same (prompt caches keep hitting) and no new summary is written."""
+    msgs = conversation(40, tag=f"k{model}")
+    r, _ = chat(sticky_gateway, model, msgs, max_tokens=30)
+    first = r.headers["x-tokenpipe-context"]
+    dropped = first.split("dropped_messages=")[1].split(";")[0]
+    before = set(records(sims[0]))
+    for n in range(3):
+        msgs = _next_turn(msgs, n)
+        r, _ = chat(sticky_gateway, model, msgs, max_tokens=30)
+        assert r.status_code == 200, r.text
+        report = r.headers["x-tokenpipe-context"]
+        assert f"dropped_messages={dropped};" in report
+        if model == "summarized":
+            assert report.endswith("summary=reused")
+    new_summaries = [
+        k for k in records(sims[0]) if k.startswith("ctx-summary-") and k not in before
+    ]
+    assert new_summaries == []

@@ -80,6 +80,8 @@ class ContextBudget:
         self.router = router
         self.models: dict[str, ContextModel] = {m.name: m for m in settings.models}
         self.cache = summary.SummaryCache(settings.summary_cache_entries)
+        #: Where truncation cut recent histories (prefix hashes), to cut there again.
+        self.cuts = summary.SummaryCache(settings.summary_cache_entries)
         self.discovery = WindowDiscovery()
         self._counters: OrderedDict[str, tokens.TokenCounter] = OrderedDict()
         self._gguf_windows: dict[str, int | None] = {}
@@ -175,6 +177,7 @@ class ContextBudget:
             margin=margin,
             reserve_output=s.reserve_output_tokens,
             min_output=s.min_output_tokens,
+            compress_target=s.compress_target,
         )
 
     def _text(
@@ -237,7 +240,11 @@ class ContextBudget:
                 orjson.dumps(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)}, calibrate
             )
 
-        system, older, kept = plan.split(messages, d.keep_from)
+        want = max_tokens if max_tokens is not None else limits.reserve_output
+        keep_from = self._sticky_cut(
+            policy, messages, costs, reply, limits, want, counter, d.keep_from
+        )
+        system, older, kept = plan.split(messages, keep_from)
         done = "truncate"
         note = ""
         new_messages = [*system, *kept]
@@ -252,10 +259,11 @@ class ContextBudget:
                 rest = [m for m in messages[at:] if m.get("role") in plan.KEPT_ROLES]
                 note_msg = {"role": "system", "content": summary.SUMMARY_PREFIX + text}
                 new_messages = [*lead, note_msg, *rest, *kept]
+        elif policy == "truncate":
+            self.cuts.put(self._cut_key(messages, keep_from), "")
         new_costs = tokens.count_messages(counter, new_messages)
         new_prompt = sum(new_costs) + reply
         room = window - limits.margin - new_prompt
-        want = max_tokens if max_tokens is not None else limits.reserve_output
         if room < min(want, limits.min_output):
             raise _too_long(window, new_prompt)  # a summary longer than it was asked to be
         obj["messages"] = new_messages
@@ -269,6 +277,63 @@ class ContextBudget:
         out_headers[REPORT_HEADER] = report + (f"; summary={note}" if note else "")
         _count(done, max(0, prompt - new_prompt))
         return ContextOutcome(orjson.dumps(obj), out_headers, calibrate)
+
+    @staticmethod
+    def _cut_key(messages: list[dict[str, Any]], keep_from: int) -> bytes:
+        older = [m for m in messages[:keep_from] if m.get("role") not in plan.KEPT_ROLES]
+        return summary.prefix_hashes(older)[-1]
+
+    def _sticky_cut(
+        self,
+        policy: str,
+        messages: list[dict[str, Any]],
+        costs: list[int],
+        reply: int,
+        limits: plan.Limits,
+        want: int,
+        counter: tokens.TokenCounter,
+        planned: int,
+    ) -> int:
+        """The earliest cut an earlier turn made that still fits, else `planned`.
+
+        Turn after turn the client resends the whole history; cutting it where the previous
+        turn did keeps the compressed prefix identical, so a summary serves several turns and
+        an upstream's prompt cache keeps hitting. With `compress_target` < 1 a new cut leaves
+        room for the next turns to reuse it.
+        """
+        memory = self.cache if policy == "summarize" else self.cuts
+        if not len(memory):
+            return planned
+        kept_roles = plan.KEPT_ROLES
+        convo = [m for m in messages if m.get("role") not in kept_roles]
+        hashes = summary.prefix_hashes(convo)
+        system_cost = sum(
+            c for m, c in zip(messages, costs, strict=True) if m.get("role") in kept_roles
+        )
+        budget = (
+            limits.window - limits.margin - min(want, limits.reserve_output) - reply - system_cost
+        )
+        tail = [0] * (len(messages) + 1)  # tail[i]: tokens of non-system messages from i on
+        for i in range(len(messages) - 1, -1, -1):
+            own = costs[i] if messages[i].get("role") not in kept_roles else 0
+            tail[i] = tail[i + 1] + own
+        before = 0  # non-system messages before index i
+        for i, m in enumerate(messages):
+            if i >= planned:
+                break
+            if i > 0 and m.get("role") == "user" and tail[i] <= budget:
+                known = memory.get(hashes[before])
+                if known is not None:
+                    extra = 0
+                    if policy == "summarize":
+                        extra = tokens.count_message(
+                            counter, {"role": "system", "content": summary.SUMMARY_PREFIX + known}
+                        )
+                    if tail[i] + extra <= budget:
+                        return i
+            if m.get("role") not in kept_roles:
+                before += 1
+        return planned
 
     # -- summaries -------------------------------------------------------------------------
 
@@ -290,7 +355,7 @@ class ContextBudget:
                 self.cache.once(hashes[n], lambda: self._write(summarizer, previous, fresh)),
                 self.settings.summary_deadline_seconds,
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
             return None, "timeout"
         except (GatewayError, aiohttp.ClientError, ValueError) as e:

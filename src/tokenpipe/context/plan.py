@@ -33,6 +33,9 @@ class Limits:
     margin: int  # tokens kept free
     reserve_output: int  # output room assumed without max_tokens
     min_output: int  # below this much room, compress instead of lowering max_tokens
+    #: Share of the prompt budget a compression fills (1.0: drop only what does not fit;
+    #: less leaves room for the next turns, so they reuse the same compressed prefix).
+    compress_target: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +88,8 @@ def decide(
         c for m, c in zip(messages, costs, strict=True) if m.get("role") in KEPT_ROLES
     )
     target_out = min(want, limits.reserve_output)
-    budget = limits.window - limits.margin - target_out - reply - kept_system - extra
+    prompt_budget = limits.window - limits.margin - target_out
+    budget = int(prompt_budget * limits.compress_target) - reply - kept_system - extra
     # Newest turns first; the last turn is always kept.
     tail = 0
     keep = len(starts) - 1

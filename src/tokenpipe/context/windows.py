@@ -109,8 +109,8 @@ class WindowDiscovery:
                         found[entry["id"]] = w
             return found
         except (
+            TimeoutError,
             aiohttp.ClientError,
-            asyncio.TimeoutError,
             orjson.JSONDecodeError,
             AttributeError,
             TypeError,
