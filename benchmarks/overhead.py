@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
+from _common import cpu_seconds, free_port
 
 from tokenpipe.bench import Summary, run_load
 from tokenpipe.bench.procs import Service
@@ -44,19 +44,6 @@ class Target:
     summary: Summary = field(default_factory=Summary)
     wall_s: float = 0.0
     cpu_s: float = 0.0
-
-
-def _cpu(pid: int | None) -> float:
-    if pid is None:
-        return 0.0
-    p = psutil.Process(pid)
-    total = sum(p.cpu_times()[:2])
-    for child in p.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
@@ -114,16 +101,8 @@ def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
     return None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _run_target(t: Target, concurrency: int, requests: int, max_tokens: int) -> None:
-    cpu0 = _cpu(t.pid)
+    cpu0 = cpu_seconds(t.pid)
     result = await run_load(
         t.url,
         MODEL,
@@ -133,7 +112,7 @@ async def _run_target(t: Target, concurrency: int, requests: int, max_tokens: in
         prompt_tokens=32,
         label=t.name,
     )
-    t.cpu_s += _cpu(t.pid) - cpu0
+    t.cpu_s += cpu_seconds(t.pid) - cpu0
     t.wall_s += result.wall_s
     t.summary.merge(result.summary())
 
@@ -209,7 +188,7 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
     ):
         litellm = None
         if args.litellm != "off":
-            port = _free_port()
+            port = free_port()
             litellm = _litellm(sim.url, port)
         try:
             for concurrency in args.concurrency:
