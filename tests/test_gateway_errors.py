@@ -209,3 +209,27 @@ def test_config_errors_are_exact(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "Expected `int`, got `str` - at `$.server.port`" in out.stderr
+
+
+async def test_trickled_body_is_cut_off_with_408(sim: procs.Service, tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        f"server:\n  read_timeout_seconds: 0.5\nupstreams:\n  - name: sim\n    url: {sim.url}/v1\n"
+    )
+    with procs.gateway("--config", str(cfg)) as g:
+        sock = socket.create_connection(("127.0.0.1", g.port))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"mo'
+        )
+        sock.settimeout(10)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(4096)
+            assert chunk, "closed without an answer"
+            reply += chunk
+        sock.close()
+        assert reply.startswith(b"HTTP/1.1 408")
+        # And the gateway still serves others.
+        status, _, _ = await _post_raw(g.url + "/v1/chat/completions", orjson.dumps(CHAT))
+        assert status == 200

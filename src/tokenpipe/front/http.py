@@ -84,7 +84,19 @@ def _request_id(request: web.Request) -> str:
     return rid
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, deadline: float) -> bytes:
+    """The body, at most `limit` bytes (else 413), within `deadline` seconds (else 408: a
+    client trickling its body must not hold a handler forever)."""
+    try:
+        async with asyncio.timeout(deadline):
+            return await _read_body_unbounded_in_time(request, limit)
+    except TimeoutError:
+        raise GatewayError(
+            408, f"The request body did not arrive within {deadline:g} s.", code="request_timeout"
+        ) from None
+
+
+async def _read_body_unbounded_in_time(request: web.Request, limit: int) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
         raise GatewayError(
@@ -123,7 +135,8 @@ async def _completion(
     gw = request.app[GATEWAY]
     rid = _request_id(request)
     key = gw.auth.check(request.headers.get("Authorization"))
-    body = await _read_body(request, gw.settings.server.max_body_bytes)
+    server = gw.settings.server
+    body = await _read_body(request, server.max_body_bytes, server.read_timeout_seconds)
     req, obj = schema.parse(body, kind)
     gate = _pace(request, req) if req.stream else None
     call = await gw.open(
