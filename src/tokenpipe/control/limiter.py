@@ -207,8 +207,12 @@ class Limiter:
 
     async def observe(self, permit: Permit, status: int, headers: Mapping[str, str]) -> None:
         """The upstream answered `permit`'s request: learn its limits and any pause."""
-        info = ratelimit_headers.parse(headers, self.wall()) if self.learn_enabled else None
-        if info:
+        info = (
+            ratelimit_headers.parse(headers, self.wall())
+            if self.learn_enabled or status == 429
+            else None
+        )
+        if info and self.learn_enabled:
             self.limits = Limits(
                 _learned(self.limits.requests, info.requests),
                 _learned(self.limits.tokens, info.tokens),
