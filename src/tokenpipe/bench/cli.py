@@ -393,21 +393,30 @@ def _run_all(
 
 
 def _print_temperatures(runs: list, console: Any) -> None:
+    """Median tokens/s per temperature (a temperature listed twice is sampled twice, which
+    interleaves the runs against drift), with the ratio against the first temperature."""
+    import statistics
+
     from rich.table import Table
 
-    t = Table(title="tokens/s per temperature", title_justify="left")
-    for col in ("temperature", "concurrency", "tokens/s", "TPOT p50 ms", "ratio"):
+    by_t: dict[float | None, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_t.setdefault(run.temperature, []).append(run.summary().to_json())
+    t = Table(title="tokens/s per temperature (median of runs)", title_justify="left")
+    for col in ("temperature", "runs", "tokens/s", "TPOT p50 ms", "TTFT p50 ms", "ratio"):
         t.add_column(col, justify="right")
     base = None
-    for run in runs:
-        s = run.summary().to_json()
-        tps = s["output_tokens_per_s"] or 0.0
+    for temp, sums in by_t.items():
+        tps = statistics.median(s["output_tokens_per_s"] or 0.0 for s in sums)
+        tpot = statistics.median(s["tpot_ms"]["p50"] or 0.0 for s in sums)
+        ttft = statistics.median(s["ttft_ms"]["p50"] or 0.0 for s in sums)
         base = base or tps or None
         t.add_row(
-            str(run.temperature),
-            str(run.concurrency),
+            str(temp),
+            str(len(sums)),
             f"{tps:,.1f}",
-            f"{s['tpot_ms']['p50'] or 0:.2f}",
+            f"{tpot:.2f}",
+            f"{ttft:.1f}",
             f"{tps / base:.2f}x" if base else "-",
         )
     console.print(t)

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import time
 import uuid
@@ -155,7 +154,7 @@ class SSEClient:
                 async for data in resp.content.iter_any():
                     recorder.feed(data, clock())
                 recorder.close(clock())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             rec.error = f"{type(e).__name__}: {e}"
             rec.end_at = clock()
 

@@ -171,7 +171,9 @@ def doctor(
             report.profile_svg = str(flame.wait(timeout_s=(profile_seconds or 10.0) + 60))
         except ProfilerUnavailable as e:
             report.notes.append(str(e))
-    render.print_text(report)
+    from rich.console import Console
+
+    render.print_text(report, Console(width=None if sys.stdout.isatty() else 140))
     command = "tokenpipe doctor " + shlex.join(sys.argv[2:])
     if json_path:
         doc = report.to_json()

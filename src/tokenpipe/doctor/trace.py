@@ -97,7 +97,7 @@ async def tcp_connect_s(host: str, port: int, timeout_s: float = 10.0) -> float 
     t0 = time.perf_counter()
     try:
         _, w = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return None
     dt = time.perf_counter() - t0
     w.close()
