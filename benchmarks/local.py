@@ -149,6 +149,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if engine
             else None,
         }
+    # Paired ratios: each request against the `direct` one of the same round (seconds apart),
+    # so that drift in the machine's load (other processes) cancels out of the comparison.
+    for name in PATHS:
+        pairs = [a["tps"] / b["tps"] for a, b in zip(samples[name], samples["direct"], strict=True)]
+        summary[name]["tps_paired_ratio_median"] = round(statistics.median(pairs), 4)
     # The gateway's own cost: its tokens/s against `tokenpipe local` reached directly.
     summary["gateway_vs_local_tps_ratio"] = round(
         summary["gateway"]["tokens_per_s_median"] / summary["local"]["tokens_per_s_median"], 4
@@ -169,18 +174,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     s = result["summary"]
     lines = [
-        f"{'path':<9} {'tok/s':>8} {'x direct':>9} {'TTFT ms':>9} {'x direct':>9} "
-        f"{'engine tok/s':>13}"
+        f"{'path':<9} {'tok/s':>8} {'x direct':>9} {'paired x':>9} {'TTFT ms':>9} "
+        f"{'x direct':>9} {'engine tok/s':>13}"
     ]
     for name in PATHS:
         r = s[name]
         eng = r["engine_decode_tokens_per_s_median"]
         lines.append(
-            f"{name:<9} {r['tokens_per_s_median']:>8.1f} "
-            f"{r['tps_ratio_vs_direct']:>9.3f} {r['ttft_ms_median']:>9.1f} "
+            f"{name:<9} {r['tokens_per_s_median']:>8.1f} {r['tps_ratio_vs_direct']:>9.3f} "
+            f"{r['tps_paired_ratio_median']:>9.3f} {r['ttft_ms_median']:>9.1f} "
             f"{r['ttft_ratio_vs_direct']:>9.2f} {eng if eng else '-':>13}"
         )
-    lines.append(f"gateway / local tokens/s: {s['gateway_vs_local_tps_ratio']:.3f}")
+    lines.append(f"gateway / local tokens/s (medians): {s['gateway_vs_local_tps_ratio']:.3f}")
     return "\n".join(lines)
 
 

@@ -35,8 +35,10 @@ from tokenpipe.observe.metrics import render
 
 #: Largest request body read (bytes); a longer one gets 413.
 MAX_BODY = 4 * 1024 * 1024
-#: Request records kept for /local/stats (oldest dropped first).
-MAX_RECORDS = 1000
+#: Request records kept for /local/stats (oldest dropped first). Each holds its token
+#: timestamps (8 bytes + a float object per token, at most the context window): 200 records of
+#: a full 4096-token window are ~25 MB at worst.
+MAX_RECORDS = 200
 #: Kernel send buffer of a streaming connection (bytes; Linux doubles it). A few dozen chunks:
 #: at the model's ~100 tokens/s that is well over the bandwidth-delay product of any real
 #: network path, yet small enough that a stalled reader stops decoding within a second.
@@ -146,7 +148,10 @@ class LocalServer:
         if want is not None:
             recs = [r for r in recs if r.id == want]
         else:
-            last = int(request.query.get("last", "20"))
+            try:
+                last = int(request.query.get("last", "20"))
+            except ValueError:
+                raise GatewayError(400, "last must be an integer", param="last") from None
             recs = recs[-last:] if last > 0 else []
         return _json(
             {

@@ -154,6 +154,7 @@ def run(
     end: Item | None = None
     llm.set_seed(params.seed if params.seed is not None else random.getrandbits(31))
     model.perf_reset()
+    tokens = None
     try:
         n = 0
         if params.max_tokens > 0:
@@ -188,7 +189,6 @@ def run(
                 if handoff.closed:
                     rec.outcome = "cancelled"
                     break
-            tokens.close()  # releases the generator's hold on the model now, not at GC
         if rec.outcome != "cancelled":
             tail = stop.flush() + utf8.decode(b"", final=True)
             if tail and not handoff.put(tail):
@@ -200,6 +200,8 @@ def run(
         rec.outcome = "error"
         end = Failed(f"The local model failed: {type(e).__name__}: {e}")
     finally:
+        if tokens is not None:
+            tokens.close()  # ends the generator's use of the model now, not at GC
         prefill_ms, decode_ms, _, _ = model.perf()
         rec.prefill_ms, rec.decode_ms = prefill_ms, decode_ms
         if rec.outcome == "running":
