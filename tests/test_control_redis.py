@@ -27,7 +27,7 @@ def redis_server() -> Iterator[RedisServer]:
 async def test_three_replicas_share_one_bucket_and_never_overdraw_it(
     redis_server: RedisServer,
 ) -> None:
-    stores = [RedisStore(redis_server.url, prefix="t1") for _ in range(3)]
+    stores = [RedisStore(redis_server.url, prefix="t1", timeout=2.0) for _ in range(3)]
     try:
         results = await asyncio.gather(
             *(s.reserve("up:a", LIMITS, 100) for s in stores for _ in range(15))
@@ -45,7 +45,8 @@ async def test_three_replicas_share_one_bucket_and_never_overdraw_it(
 async def test_headers_learned_by_one_replica_hold_for_all_corrected_by_later_sends(
     redis_server: RedisServer,
 ) -> None:
-    a, b = RedisStore(redis_server.url, prefix="t2"), RedisStore(redis_server.url, prefix="t2")
+    a = RedisStore(redis_server.url, prefix="t2", timeout=2.0)
+    b = RedisStore(redis_server.url, prefix="t2", timeout=2.0)
     try:
         first = await a.reserve("up:x", LIMITS, 10)
         await b.reserve("up:x", LIMITS, 10)
@@ -66,7 +67,7 @@ async def test_headers_learned_by_one_replica_hold_for_all_corrected_by_later_se
 async def test_corrections_reach_redis_without_blocking_the_caller(
     redis_server: RedisServer,
 ) -> None:
-    s = RedisStore(redis_server.url, prefix="t3")
+    s = RedisStore(redis_server.url, prefix="t3", timeout=2.0)
     await s.start()
     try:
         await s.reserve("up:x", LIMITS, 5000)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -14,7 +14,7 @@ from tokenpipe.control.ratelimit_headers import (
     parse_retry_after,
 )
 
-NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc).timestamp()
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()
 
 
 @pytest.mark.parametrize(

@@ -119,7 +119,7 @@ class RedisSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     key_prefix: str = "tokenpipe"
     #: A limiter decision that Redis has not answered within this time falls back to the
     #: local share of the limit (seconds).
-    timeout_seconds: PositiveFloat = 0.1
+    timeout_seconds: PositiveFloat = 0.25
 
 
 class UpstreamLimits(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -127,7 +127,7 @@ class Limiter:
         self._enqueue(waiter)
         try:
             permit = await asyncio.wait_for(asyncio.shield(waiter.future), deadline)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if waiter.future.done() and not waiter.future.cancelled():
                 permit = waiter.future.result()  # granted as the deadline struck: keep it
             else:
@@ -200,7 +200,7 @@ class Limiter:
     async def _nap(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self._wake.wait(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     # -- learning and releasing ------------------------------------------------------------

@@ -162,7 +162,12 @@ def _num(s: bytes | str) -> float | None:
 
 class RedisStore:
     def __init__(
-        self, url: str, *, prefix: str = "tokenpipe", timeout: float = 0.1, clock: Clock = MONOTONIC
+        self,
+        url: str,
+        *,
+        prefix: str = "tokenpipe",
+        timeout: float = 0.25,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.url = url
         self.prefix = prefix
@@ -211,7 +216,7 @@ class RedisStore:
                 return Decision(
                     _num(wait) or 0.0, _num(rs) or 0.0, _num(ts) or 0.0, _num(rl), _num(tl), int(ep)
                 )
-            except (RedisError, OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, RedisError, OSError) as e:
                 self._down(e)
         return self.fallback.reserve_now(scope, limits, tokens)
 
@@ -235,7 +240,7 @@ class RedisStore:
                 ]
                 await self._learn(keys=[self._key(scope)], args=args)
                 return
-            except (RedisError, OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, RedisError, OSError) as e:
                 self._down(e)
         if not self.healthy:
             self.fallback.learn_now(scope, limits, remaining_requests, remaining_tokens, since)
@@ -245,7 +250,7 @@ class RedisStore:
         if self.healthy:
             try:
                 await self._pause(keys=[self._key(scope)], args=[seconds])
-            except (RedisError, OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, RedisError, OSError) as e:
                 self._down(e)
 
     def give(self, scope: str, limits: Limits, requests: float, tokens: float) -> None:
@@ -270,7 +275,7 @@ class RedisStore:
                     for scope, args in batch:
                         await self._give(keys=[self._key(scope)], args=args, client=pipe)
                     await pipe.execute()
-            except (RedisError, OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, RedisError, OSError) as e:
                 self._down(e)
 
     async def _watch(self) -> None:
@@ -292,7 +297,7 @@ class RedisStore:
                         "redis reachable again: limits are shared again (%d replicas)",
                         self.replicas,
                     )
-            except (RedisError, OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, RedisError, OSError) as e:
                 self._down(e)
             await asyncio.sleep(RETRY)
 
@@ -312,6 +317,6 @@ class RedisStore:
         self._tasks = []
         try:
             await self.redis.zrem(f"{self.prefix}:replicas", self.replica_id)
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, RedisError, OSError):
             pass
         await self.redis.aclose()
