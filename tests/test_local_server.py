@@ -282,6 +282,7 @@ def test_non_streamed_responses_carry_usage_and_the_timing_headers(
 def test_models_health_and_request_errors(local: procs.Service) -> None:
     models = get_json(local.url + "/v1/models")
     assert [m["id"] for m in models["data"]] == ["gemma-3-270m"]
+    assert models["data"][0]["max_model_len"] == 2048  # --ctx, for context budgeting
     assert get_json(local.url + "/healthz")["status"] == "ok"
     r = post(local.url, "/v1/chat/completions", {"model": "m", "messages": "nope"})
     assert r.status == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -363,8 +364,9 @@ def test_cancelled_stream_stops_decoding_and_the_next_request_starts_at_once(
     stream.close()
 
     def ended() -> dict[str, Any] | None:
-        recs = get_json(f"{local.url}/local/stats?last=1&times=0")["records"]
-        if not recs or recs == before or recs[-1]["outcome"] in ("queued", "running"):
+        stats = get_json(f"{local.url}/local/stats?last=1&times=0")
+        recs = stats["records"]
+        if not recs or recs == before or recs[-1]["ended"] is None or stats["busy"]:
             return None
         return recs[-1]  # type: ignore[no-any-return]
 
@@ -418,3 +420,35 @@ def test_full_queue_answers_503_with_retry_after_and_the_waiter_gets_the_model_n
         waiter.join(60)
         assert waited and waited[0].status == 200
         assert float(waited[0].headers["x-tokenpipe-queue-ms"]) > 0
+
+
+def test_serve_without_an_upstream_runs_the_local_model_and_stops_it_on_exit() -> None:
+    with procs.Service(
+        "serve", "--port", "0", "--grpc-port", "0", name="gateway-default", timeout=120
+    ) as gw:
+        r = post(
+            gw.url,
+            "/v1/chat/completions",
+            {
+                "model": "gemma-3-270m",
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Hi"}],
+            },
+        )
+        assert r.status == 200, r.body
+        assert r.json()["usage"]["completion_tokens"] == 4
+        m = re.search(r"local model \(Gemma 3 270M\) at (http://[\d.]+:\d+)/v1", gw.output())
+        assert m, gw.output()
+        child = m.group(1)
+        assert get_json(child + "/healthz")["status"] == "ok"
+
+    # The gateway is gone, and with it the child: its port refuses connections.
+    def refused() -> bool:
+        try:
+            get_json(child + "/healthz")
+        except (urllib.error.URLError, ConnectionError):
+            return True
+        return False
+
+    until(refused, timeout=15, what="the local child to stop")

@@ -136,7 +136,16 @@ class LocalServer:
         return await self._complete(request, "text", req, prompt)
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "tokenpipe-local"}]
+        # max_model_len (vLLM's name): the context window, for clients that budget prompts.
+        data = [
+            {
+                "id": MODEL_ID,
+                "object": "model",
+                "created": 0,
+                "owned_by": "tokenpipe-local",
+                "max_model_len": self.model.n_ctx,
+            }
+        ]
         return _json({"object": "list", "data": data})
 
     async def stats(self, request: web.Request) -> web.Response:
