@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -188,3 +190,50 @@ def test_profile_writes_a_flame_graph_of_a_running_process(paced, tmp_path: Path
     assert svg.exists(), p.stdout
     text = svg.read_text()
     assert "<svg" in text and "tokenpipe" in text
+
+
+def _has_grpc_gen() -> bool:
+    try:
+        import tokenpipe.front.grpc_gen.chat_pb2  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def grpc_gateway(paced) -> Iterator[str]:
+    """The gateway in front of the paced sim, with gRPC on; yields its gRPC host:port."""
+    with socket.socket() as sock:  # a free port for gRPC (the gateway's 0 turns gRPC off)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with procs.Service(
+        "serve",
+        "--port",
+        "0",
+        "--grpc-port",
+        str(port),
+        "--upstream",
+        paced.url + "/v1",
+        name="gateway",
+    ) as gw:
+        deadline = time.monotonic() + 30
+        while "gRPC listening" not in gw.output():
+            assert time.monotonic() < deadline, gw.output()
+            time.sleep(0.05)  # polling a condition with a deadline
+        yield f"127.0.0.1:{port}"
+
+
+@pytest.mark.skipif(not _has_grpc_gen(), reason="no generated gRPC code yet")
+async def test_stall_on_every_stream_of_one_grpc_channel_is_hol_blocking(grpc_gateway):
+    # gRPC carries no custom headers: the fault travels as a prompt directive to the sim.
+    def req(fault: bool) -> ChatRequest:
+        text = "[[sim fault=stall:10:400]] hi" if fault else "hi"
+        return ChatRequest("sim-model", [{"role": "user", "content": text}], 40)
+
+    p = await probe("http://unused", [req(True) for _ in range(4)], grpc_url=grpc_gateway)
+    assert p.shared_connection and "gRPC" in p.transport
+    assert all(r.ok for r in p.records), [r.error for r in p.records]
+    [f] = find_shared_stalls(p, Thresholds())
+    assert "4 of 4" in f.evidence and "share one connection" in f.evidence
+    p = await probe("http://unused", [req(i == 0) for i in range(4)], grpc_url=grpc_gateway)
+    assert find_shared_stalls(p, Thresholds()) == []

@@ -43,6 +43,12 @@ from tokenpipe.cli import main
 )
 @click.option("--h2c", is_flag=True, help="HTTP/2 over http:// with prior knowledge.")
 @click.option(
+    "--grpc-url",
+    default=None,
+    metavar="HOST:PORT",
+    help="Run the shared-connection probe over this gRPC target (one channel).",
+)
+@click.option(
     "--stall-factor",
     type=float,
     default=8.0,
@@ -101,6 +107,7 @@ def doctor(
     sweep_repeats: int,
     streams: int,
     h2c: bool,
+    grpc_url: str | None,
     stall_factor: float,
     stall_min_ms: float,
     slow_first_token_ms: float,
@@ -150,6 +157,7 @@ def doctor(
         sweep_repeats=sweep_repeats,
         hol_streams=streams,
         h2c=h2c,
+        grpc_url=grpc_url,
         thresholds=Thresholds(
             stall_factor=stall_factor,
             stall_min_ms=stall_min_ms,

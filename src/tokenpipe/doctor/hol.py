@@ -16,7 +16,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenpipe.bench.clients import ChatRequest, H2Client, ProtocolUnavailable, SSEClient
+from tokenpipe.bench.clients import (
+    ChatRequest,
+    GrpcClient,
+    H2Client,
+    ProtocolUnavailable,
+    SSEClient,
+    grpc_target,
+)
 from tokenpipe.bench.metrics import RequestRecord
 from tokenpipe.doctor.findings import Finding, Thresholds, median_chunk_gap, stall_intervals
 
@@ -36,11 +43,23 @@ async def probe(
     api_key: str | None = None,
     h2c: bool = False,
     try_h2: bool = True,
+    grpc_url: str | None = None,
     timeout_s: float = 120.0,
 ) -> HolProbe:
-    """Run `reqs` concurrently; over one HTTP/2 connection when the server offers it."""
+    """Run `reqs` concurrently: over one gRPC channel when `grpc_url` is given (one HTTP/2
+    connection), else over one HTTP/2 connection when the server offers it."""
     n = len(reqs)
     notes: list[str] = []
+    if grpc_url:
+        try:
+            recs = [RequestRecord(index=i, protocol="grpc") for i in range(n)]
+            g = GrpcClient(grpc_target(grpc_url), api_key=api_key, timeout_s=timeout_s)
+            async with g, asyncio.TaskGroup() as tg:
+                for req, rec in zip(reqs, recs, strict=True):
+                    tg.create_task(g.send(req, rec))
+            return HolProbe(recs, "one gRPC channel (one HTTP/2 connection)", True, notes)
+        except ProtocolUnavailable as e:
+            notes.append(str(e))
     if try_h2 and not h2c and not url.startswith("https://"):
         # httpx never upgrades http:// to HTTP/2 (h2c needs prior knowledge): skip the attempt.
         notes.append(

@@ -32,6 +32,8 @@ class DoctorOptions:
     #: Concurrent streams of the head-of-line probe; 0: no probe.
     hol_streams: int = 4
     h2c: bool = False
+    #: Run the shared-connection probe over this gRPC target (host:port) instead of HTTP.
+    grpc_url: str | None = None
     thresholds: F.Thresholds = field(default_factory=F.Thresholds)
     timeout_s: float = 300.0
 
@@ -179,7 +181,9 @@ async def diagnose(o: DoctorOptions) -> DoctorReport:
             )
     if o.hol_streams >= 2:
         reqs = [_request(o, 2000 + i, o.max_tokens) for i in range(o.hol_streams)]
-        report.hol = await probe(o.url, reqs, api_key=o.api_key, h2c=o.h2c, timeout_s=o.timeout_s)
+        report.hol = await probe(
+            o.url, reqs, api_key=o.api_key, h2c=o.h2c, grpc_url=o.grpc_url, timeout_s=o.timeout_s
+        )
         found += find_shared_stalls(report.hol, th)
     return report
 
