@@ -316,7 +316,7 @@ def test_slow_reader_pauses_decoding_by_the_engines_own_token_timestamps(
         stopped_reading = time.monotonic()
         # The engine reports its decode thread blocked on the hand-off, and for a while.
         rec = until(
-            lambda: (r := record(local, rid))["paused_ms"] >= 1000 and r,
+            lambda: (r := record(local, rid))["paused_now_ms"] >= 1000 and r,
             timeout=60,
             what="decode paused for 1 s",
         )

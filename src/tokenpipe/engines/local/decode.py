@@ -58,13 +58,16 @@ class Record:
     ended: float | None = None
     handoff: TokenHandoff[Item] | None = None
 
+    def _pause_now(self) -> float:
+        """Seconds the current pause has lasted (0 while decoding). The decode thread may end
+        the pause at any moment, so its start is read once."""
+        since = self.handoff.paused_since if self.handoff is not None else None
+        return time.monotonic() - since if since is not None else 0.0
+
     @property
     def paused_ms(self) -> float:
-        h = self.handoff
-        if h is None:
-            return 0.0
-        current = time.monotonic() - h.paused_since if h.paused_since is not None else 0.0
-        return (h.paused_total + current) * 1000
+        total = self.handoff.paused_total if self.handoff is not None else 0.0
+        return (total + self._pause_now()) * 1000
 
     @property
     def tokens_per_second(self) -> float:
@@ -72,7 +75,7 @@ class Record:
         return n / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
 
     def as_dict(self, with_times: bool = True) -> dict[str, object]:
-        h = self.handoff
+        now = self._pause_now()
         out: dict[str, object] = {
             "id": self.id,
             "kind": self.kind,
@@ -89,8 +92,9 @@ class Record:
             "prefill_ms": round(self.prefill_ms, 3),
             "decode_ms": round(self.decode_ms, 3),
             "tokens_per_second": round(self.tokens_per_second, 2),
-            "paused": h is not None and h.paused_since is not None,
+            "paused": now > 0,
             "paused_ms": round(self.paused_ms, 3),
+            "paused_now_ms": round(now * 1000, 3),
         }
         if with_times:
             out["token_times"] = self.token_times

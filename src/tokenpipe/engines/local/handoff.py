@@ -52,8 +52,8 @@ class TokenHandoff(Generic[T]):
         if not self._free.acquire(blocking=False):
             since = self.paused_since = time.monotonic()
             got = self._free.acquire(timeout=self.max_pause)
+            self.paused_since = None  # before adding to the total: readers never count twice
             self.paused_total += time.monotonic() - since
-            self.paused_since = None
             if not got and not self._closed.is_set():
                 raise PauseTimeout(f"the client read nothing for {self.max_pause:g} s")
         if self._closed.is_set():
