@@ -292,6 +292,11 @@ def test_models_health_and_request_errors(local: procs.Service) -> None:
         {"model": "m", "max_tokens": 999_999, "messages": [{"role": "user", "content": "hi"}]},
     )
     assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # A request id that could break the JSON or a header is replaced, not echoed.
+    body = {"model": "m", "stream": True, "max_tokens": 1, "prompt": "Hi"}
+    r = post(local.url, "/v1/completions", body, {"x-request-id": 'a"b'})
+    assert r.status == 200 and r.chunks
+    assert r.chunks[0]["id"].startswith("cmpl-") and '"' not in r.chunks[0]["id"]
 
 
 def test_slow_reader_pauses_decoding_by_the_engines_own_token_timestamps(

@@ -10,6 +10,7 @@ the model within a few dozen tokens.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 import uuid
@@ -46,6 +47,7 @@ SEND_BUFFER_BYTES = 4096
 #: The event loop's write buffer above which a stream waits for the socket (bytes).
 WRITE_HIGH_WATER = 4096
 
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -227,7 +229,9 @@ class LocalServer:
         self, request: web.Request, kind: str, req: _Params, prompt: list[int]
     ) -> web.StreamResponse:
         params = self._params(req, len(prompt))
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.headers.get("x-request-id", "")
+        if not _REQUEST_ID.match(rid):  # it goes into ids and headers: only safe characters
+            rid = uuid.uuid4().hex
         client = request.headers.get("x-tokenpipe-client") or request.remote or "-"
         rec = Record(rid, kind, client, time.monotonic(), len(prompt), params.max_tokens)
         self.records.append(rec)
@@ -377,9 +381,9 @@ class _Chunks:
         created = str(int(time.time())).encode()
         obj = b"chat.completion.chunk" if kind == "chat" else b"text_completion"
         self.head = (
-            b'{"id":"'
-            + cid.encode()
-            + b'","object":"'
+            b'{"id":'
+            + orjson.dumps(cid)
+            + b',"object":"'
             + obj
             + b'","created":'
             + created
