@@ -35,6 +35,9 @@ log = logging.getLogger("tokenpipe.limiter")
 DROP_STATUSES = frozenset({429, 503, 504})
 #: Pause after a 429 that named no retry time (seconds).
 DEFAULT_RETRY = 1.0
+#: Safety margins under learned levels: requests, and a share of the token bucket's depth.
+REQUEST_MARGIN = 0.5
+TOKEN_MARGIN = 0.002
 #: Longest the dispatcher sleeps before looking again (seconds): news from headers or a
 #: released permit wake it sooner.
 MAX_NAP = 0.25
@@ -224,6 +227,14 @@ class Limiter:
             if rem_t is not None:
                 metrics.RATELIMIT_REMAINING.labels(self.name, "tokens").set(rem_t)
             if rem_r is not None or rem_t is not None:
+                # Learned levels sit a little below what the upstream said: the clocks of
+                # replicas, Redis and the upstream differ by milliseconds, and arriving a hair
+                # early costs a 429. At saturation this shifts when the bucket is read, not how
+                # much flows through it, so it costs no throughput.
+                if rem_r is not None:
+                    rem_r -= REQUEST_MARGIN
+                if rem_t is not None and self.limits.tokens is not None:
+                    rem_t -= TOKEN_MARGIN * self.limits.tokens.capacity
                 await self.store.learn(self.scope, self.limits, rem_r, rem_t, permit.decision)
         if status == 429:
             self._m_429.inc()
