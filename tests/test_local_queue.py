@@ -121,8 +121,10 @@ def test_retry_after_grows_with_the_queue_and_the_measured_service_time() -> Non
     assert slot.service.mean == pytest.approx(4.0, rel=0.05)
     assert slot.retry_after() == 4  # empty queue: one service time
     slot.busy = True
+    loop = asyncio.new_event_loop()
     for i in range(3):
-        slot.queue.push(str(i), asyncio.Future(loop=asyncio.new_event_loop()))
+        slot.queue.push(str(i), loop.create_future())
+    loop.close()
     assert slot.retry_after() == 16  # three ahead plus itself
     slot.max_wait_seconds = 10
     assert slot.retry_after() == 10  # never more than the wait deadline
