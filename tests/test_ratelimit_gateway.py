@@ -171,3 +171,30 @@ async def test_killing_redis_mid_run_fails_no_request(
     view = await upstream_view(limited_sim.url)
     print(view, outcomes)
     assert view["429"] <= 0.01 * view["sent"], view
+
+
+async def test_an_upstream_429_pauses_that_upstream_for_its_retry_after(
+    sim: procs.Service,
+) -> None:
+    with procs.gateway("--upstream", sim.url + "/v1") as gw:
+        async with aiohttp.ClientSession() as s:
+            url = gw.url + "/v1/chat/completions"
+            storm = {
+                **BODY,
+                "stream": False,
+                "messages": [{"role": "user", "content": "[[sim fault=status:429]] hi"}],
+            }
+            async with s.post(url, json=storm) as r:
+                assert r.status == 429 and r.headers["Retry-After"] == "1"
+            t = time.monotonic()
+            async with s.post(url, json={**BODY, "stream": False}) as r:
+                assert r.status == 200
+            # The sim asked for 1 s; the next request was held that long, not sent into a 429.
+            assert time.monotonic() - t >= 0.9
+            async with s.get(gw.url + "/metrics") as r:
+                text = await r.text()
+    samples = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert float(samples['tokenpipe_upstream_429_total{upstream="upstream0"}']) == 1
+    assert float(samples['tokenpipe_concurrency_limit{upstream="upstream0"}']) < 32

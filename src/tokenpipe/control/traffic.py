@@ -7,6 +7,7 @@ permit from the limiter of each upstream it is sent to, released when the reques
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,8 @@ from tokenpipe.control.aimd import AIMDLimit
 from tokenpipe.control.limiter import Limiter, Permit
 from tokenpipe.control.store import Limits, MemoryStore, Spec, Store
 from tokenpipe.settings import Settings, UpstreamLimits
+
+log = logging.getLogger("tokenpipe.limits")
 
 #: Statuses of a failed send that mean the request never reached the upstream.
 NOT_SENT = frozenset({502})
@@ -74,6 +77,9 @@ class TrafficControl:
                 max_waiting=lim.max_waiting,
             )
         self.admission = Admission(settings.keys, self.store, share)
+        unknown = sorted(set(lim.upstreams) - set(self.limiters))
+        if unknown:
+            log.warning("limits.upstreams names no configured upstream: %s", ", ".join(unknown))
 
     async def admit(self, key: str, request: dict[str, Any]) -> Ticket:
         """Per-key quota check (429 when over), then a ticket for the upstream limiters."""

@@ -1,0 +1,31 @@
+"""Token cost of a request as providers count it: reserved before, corrected after."""
+
+from __future__ import annotations
+
+from tokenpipe.control.cost import estimate_text, of_request
+from tokenpipe.engines.sim import text
+
+
+def test_prompt_estimate_does_not_undershoot_word_counts_or_four_chars_per_token() -> None:
+    for sample in ("hi", "a b c d e f", "x" * 400, "one two\nthree four", ""):
+        assert estimate_text(sample) >= text.count_tokens(sample)
+        assert estimate_text(sample) >= len(sample) / 4
+
+
+def test_reservation_is_prompt_plus_max_tokens_times_n() -> None:
+    c = of_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "n": 2})
+    assert c.prompt == 1 + 4 + 3  # the word, the message overhead, the reply primer
+    assert c.tokens == c.prompt + 80
+
+
+def test_without_max_tokens_the_default_is_reserved_and_usage_says_the_rest() -> None:
+    c = of_request({"prompt": "hello there"}, default_output=256)
+    assert c.tokens == 3 + 256
+    # Charged as providers count: the real prompt, and the output actually produced.
+    assert c.charged({"prompt_tokens": 2, "completion_tokens": 30}) == 32
+    assert c.charged(None) is None
+
+
+def test_with_max_tokens_the_upstream_counts_the_maximum_not_the_output() -> None:
+    c = of_request({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50})
+    assert c.charged({"prompt_tokens": 9, "completion_tokens": 3}) == 59
