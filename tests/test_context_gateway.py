@@ -60,6 +60,8 @@ def sims() -> Iterator[tuple[procs.Service, procs.Service]]:
         "unbudgeted",
         "--model",
         "big-summarizer",
+        "--model",
+        "calib",
     )
     slow = procs.sim("--ttft-ms", "5000", "--itl-ms", "0", "--model", "slow-summarizer")
     with fast, slow:
@@ -89,6 +91,7 @@ def gateway(
                 {"name": "small-window", "window": WINDOW},
                 {"name": "summarized", "window": WINDOW, "policy": "summarize"},
                 {"name": "big-summarizer", "window": 100_000},
+                {"name": "calib", "window": WINDOW},
             ],
         },
     }
@@ -381,3 +384,20 @@ def test_later_turns_are_cut_where_the_first_compression_cut(
         k for k in records(sims[0]) if k.startswith("ctx-summary-") and k not in before
     ]
     assert new_summaries == []
+
+
+def test_estimator_learns_the_upstreams_token_ratio_from_usage(
+    gateway: procs.Service, sims: tuple[procs.Service, procs.Service]
+) -> None:
+    """Before any answer the estimate is 4 characters per token (~1.6x the sim's count for
+    this text); after one answer with usage it matches what the sim counts."""
+
+    def estimated_vs_actual(tag: str) -> tuple[int, int]:
+        r, rid = chat(gateway, "calib", conversation(40, tag=tag), max_tokens=10)
+        after = int(r.headers["x-tokenpipe-context"].split("->")[1].split(";")[0])
+        return after, records(sims[0])[rid]["prompt_tokens"]
+
+    est, actual = estimated_vs_actual("c0")
+    assert est > 1.3 * actual  # uncalibrated: errs towards trimming
+    est, actual = estimated_vs_actual("c1")
+    assert abs(est - actual) <= 0.05 * actual

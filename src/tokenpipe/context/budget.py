@@ -267,6 +267,12 @@ class ContextBudget:
         if room < min(want, limits.min_output):
             raise _too_long(window, new_prompt)  # a summary longer than it was asked to be
         obj["messages"] = new_messages
+        # The upstream will report the tokens of what is sent now, not of what arrived.
+        calibrate = self._calibration(
+            counter,
+            sum(len(tokens.message_text(m)) for m in new_messages),
+            counter.chat.per_message * len(new_messages) + reply,
+        )
         if room < want:
             obj[field] = room
             out_headers[MAX_TOKENS_HEADER] = str(room)
