@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shlex
 import sys
 import time
@@ -143,10 +144,10 @@ class _Live:
 )
 @click.option(
     "--processes",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=0),
     default=1,
     show_default=True,
-    help="Worker processes (one per core when the client is the limit).",
+    help="Worker processes (0: one per core) when the client is the limit.",
 )
 @click.option(
     "--self-test",
@@ -272,6 +273,8 @@ def bench(
         timeout_s=timeout,
     )
 
+    if processes == 0:
+        processes = os.cpu_count() or 1
     if self_test:
         _self_test(
             url, model, concurrencies, processes, kwargs, max_tokens or 256, console, json_path
