@@ -81,3 +81,14 @@ def test_tls_is_the_connection_time_beyond_a_plain_tcp_connect():
     )
     ph = t.phases_ms()
     assert ph["connect"] == 20.0 and ph["tls"] == 100.0
+
+
+def test_streams_served_one_after_another_are_named_queueing():
+    from tokenpipe.doctor.hol import HolProbe, find_serialised
+
+    first = _rec(0.1, n=10)  # ends at 0.19 s
+    second = _rec(0.3, n=10)  # its first token after the first stream ended
+    [f] = find_serialised(HolProbe([first, second], "2 HTTP/1.1 connections", False))
+    assert f.kind == "queueing" and "1 of 2" in f.evidence
+    together = [_rec(0.1, n=10), _rec(0.12, n=10)]
+    assert find_serialised(HolProbe(together, "2 HTTP/1.1 connections", False)) == []

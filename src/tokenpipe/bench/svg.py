@@ -92,12 +92,12 @@ class _Frame:
     def add(self, s: str) -> None:
         self.parts.append(s)
 
-    def legend(self, names: Sequence[str]) -> None:
+    def legend(self, names: Sequence[str], colors: Sequence[str] = COLORS) -> None:
         for i, name in enumerate(names):
             y = PAD_T + 8 + 14 * i
             self.parts.append(
                 f'<rect x="{W - PAD_R - 150}" y="{y - 8}" width="10" height="10" '
-                f'fill="{COLORS[i % len(COLORS)]}"/><text x="{W - PAD_R - 136}" y="{y + 1}" '
+                f'fill="{colors[i % len(colors)]}"/><text x="{W - PAD_R - 136}" y="{y + 1}" '
                 f'class="a">{escape(name)}</text>'
             )
 
@@ -184,7 +184,8 @@ def lines(
             f'stroke="#111" stroke-dasharray="5 4"/>'
         )
     if len(series) > 1 or fit is not None:
-        f.legend([*series, *(["linear fit"] if fit else [])])
+        colors = [COLORS[i % len(COLORS)] for i in range(len(series))] + ["#111"]
+        f.legend([*series, *(["linear fit"] if fit else [])], colors)
     return f.render()
 
 
@@ -232,7 +233,7 @@ CSS = """
 body{font:14px system-ui,sans-serif;margin:24px;color:#111;background:#fff}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 8px;
-text-align:right}th{background:#f3f4f6}td:first-child,th:first-child{text-align:left}
+text-align:right}th{background:#f3f4f6}td:first-child,th:first-child,td.w{text-align:left}
 .plots{display:flex;flex-wrap:wrap;gap:12px}
 svg.plot{border:1px solid #e5e7eb;background:#fff}
 svg .t{font-size:14px;font-weight:600}svg .l{font-size:12px;fill:#374151}

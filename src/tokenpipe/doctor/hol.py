@@ -25,6 +25,7 @@ from tokenpipe.bench.clients import (
     grpc_target,
 )
 from tokenpipe.bench.metrics import RequestRecord
+from tokenpipe.doctor import findings as F
 from tokenpipe.doctor.findings import Finding, Thresholds, median_chunk_gap, stall_intervals
 
 
@@ -132,3 +133,36 @@ def find_shared_stalls(p: HolProbe, th: Thresholds, min_share: float = 0.75) -> 
             )
         )
     return out
+
+
+def find_serialised(p: HolProbe) -> list[F.Finding]:
+    """Concurrent streams that got their first token only after another one had ended: the
+    server ran fewer of them at once than were sent (a queue in front of the engine)."""
+    ok = [r for r in p.records if r.ok and r.first_token_at is not None and r.end_at]
+    waited = [
+        r
+        for r in ok
+        if any(
+            o is not r
+            and o.end_at is not None
+            and r.first_token_at is not None
+            and r.first_token_at > o.end_at
+            for o in ok
+        )
+    ]
+    if not waited:
+        return []
+    worst = max(waited, key=lambda r: r.ttft or 0.0)
+    fastest = min((r.ttft or 0.0) for r in ok)
+    return [
+        F.Finding(
+            "queueing",
+            (
+                f"{len(waited)} of {len(ok)} concurrent streams over {p.transport} got their first "
+                f"token only after another stream had finished (TTFT up to "
+                f"{(worst.ttft or 0) * 1000:.0f} ms against {fastest * 1000:.0f} ms for the "
+                "fastest): "
+                "the server runs fewer requests at once than it was sent and queues the rest"
+            ),
+        )
+    ]

@@ -137,7 +137,7 @@ def render_html(r: DoctorReport, command: str = "") -> str:
     )
     rows = "".join(
         f"<tr><td>{escape(k)}</td><td>{v:.1f}</td>"
-        f"<td>{escape(_EXPLAIN.get(k, 'reported by the server'))}</td></tr>"
+        f"<td class=w>{escape(_EXPLAIN.get(k, 'reported by the server'))}</td></tr>"
         for k, v in ph.items()
     )
     notes = "".join(f'<p class="note">{escape(n)}</p>' for n in r.notes)

@@ -12,7 +12,7 @@ from tokenpipe.bench.clients import ChatRequest, SSEClient
 from tokenpipe.bench.metrics import RequestRecord
 from tokenpipe.doctor import findings as F
 from tokenpipe.doctor.fit import ScalingCheck, check_scaling
-from tokenpipe.doctor.hol import HolProbe, find_shared_stalls, probe
+from tokenpipe.doctor.hol import HolProbe, find_serialised, find_shared_stalls, probe
 from tokenpipe.doctor.trace import PHASES, TracedRequest, traced_request
 
 
@@ -185,6 +185,7 @@ async def diagnose(o: DoctorOptions) -> DoctorReport:
             o.url, reqs, api_key=o.api_key, h2c=o.h2c, grpc_url=o.grpc_url, timeout_s=o.timeout_s
         )
         found += find_shared_stalls(report.hol, th)
+        found += find_serialised(report.hol)
     return report
 
 
