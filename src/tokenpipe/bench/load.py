@@ -142,13 +142,18 @@ async def run_load(
             await c.__aenter__()
             entered.append(c)
 
-        async def one(i: int, record: bool) -> None:
+        async def one(i: int, record: bool, lag: float = 0.0) -> None:
             proto = protocols[i % len(protocols)]
             req = ChatRequest(
                 model, prompts_mod.cycle(prompt_list, i), max_tokens, temperature, headers or {}
             )
             rec = RequestRecord(index=i, protocol=proto, label=label, temperature=temperature)
-            await clients[proto].send(req, rec)
+            rec.schedule_lag = lag
+            try:
+                await clients[proto].send(req, rec)
+            except Exception as e:  # a broken stream fails this request, not the whole run
+                rec.error = f"{type(e).__name__}: {e}"
+                rec.end_at = time.perf_counter()
             if record:
                 result.records.append(rec)
                 if on_record is not None:
@@ -161,7 +166,7 @@ async def run_load(
             await _closed_loop(lambda i: one(i, True), concurrency, requests, duration_s)
         else:
             await _open_loop(
-                lambda i: one(i, True),
+                lambda i, lag: one(i, True, lag),
                 concurrency,
                 requests,
                 duration_s,
@@ -171,6 +176,13 @@ async def run_load(
                 random.Random(seed),
             )
         result.ended_at = time.perf_counter()
+        late = [r.schedule_lag for r in result.records if r.schedule_lag > 0.010]
+        if late:
+            result.notes.append(
+                f"open loop: {len(late)} arrivals went out late (up to {max(late) * 1000:.0f} ms,"
+                f" waiting for one of {concurrency} slots or for the client): latencies are "
+                "measured from sending, so raise --concurrency if the rate should be open"
+            )
     finally:
         for c in entered:
             await c.__aexit__(None, None, None)
@@ -207,7 +219,7 @@ async def _closed_loop(
 
 
 async def _open_loop(
-    one: Callable[[int], Any],
+    one: Callable[[int, float], Any],
     max_inflight: int,
     requests: int | None,
     duration_s: float | None,
@@ -222,9 +234,9 @@ async def _open_loop(
     # Bound: at most `max_inflight` requests at once; the next arrival waits for a free slot.
     slots = asyncio.Semaphore(max_inflight)
 
-    async def run(i: int) -> None:
+    async def run(i: int, lag: float) -> None:
         try:
-            await one(i)
+            await one(i, lag)
         finally:
             slots.release()
 
@@ -239,7 +251,8 @@ async def _open_loop(
             if delay > 0:
                 await asyncio.sleep(delay)  # the arrival schedule, not synchronisation
             await slots.acquire()
-            tg.create_task(run(i))
+            # Seconds behind the schedule: a full slot pool or a busy client.
+            tg.create_task(run(i, max(0.0, loop.time() - due)))
             due += _intervals(rate, arrival, burstiness, rng)
 
 

@@ -106,6 +106,8 @@ class RequestRecord:
     #: Server-reported phases in ms (x-tokenpipe-* headers, `: tokenpipe ...` SSE comment).
     server_ms: dict[str, float] = field(default_factory=dict)
     temperature: float | None = None
+    #: Open loop: seconds the request went out after its scheduled arrival.
+    schedule_lag: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -192,6 +194,7 @@ class RequestRecord:
             "http_version": self.http_version,
             "temperature": self.temperature,
             "server_ms": self.server_ms or None,
+            "schedule_lag_ms": ms(self.schedule_lag),
         }
 
 
