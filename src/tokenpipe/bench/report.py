@@ -117,11 +117,11 @@ def print_report(
     console.print(table(runs, slo, title))
     for run in runs:
         for note in run.notes:
-            console.print(f"[yellow]note[/] {run.label}: {note}")
+            console.print(f"[yellow]note[/] {run.label + ': ' if run.label else ''}{note}")
         errors: dict[str, int] = {}
         for rec in run.records:
             if not rec.ok:
                 key = (rec.error or f"status {rec.status}")[:120]
                 errors[key] = errors.get(key, 0) + 1
         for msg, n in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
-            console.print(f"[red]failed[/] {run.label}: {n} x {msg}")
+            console.print(f"[red]failed[/] {run.label + ': ' if run.label else ''}{n} x {msg}")
