@@ -34,6 +34,8 @@ from tokenpipe.serving import install_uvloop
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM_VENV = ROOT / ".cache" / "litellm-venv"
 MODEL = "sim-model"
+#: LiteLLM's proxy refuses to start without a master key; clients then must present it.
+LITELLM_KEY = "sk-tokenpipe-bench-0123456789abcdef"
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Target:
     name: str
     url: str  # base URL with /v1
     pid: int | None  # the process whose CPU is the gateway's cost (None: direct)
+    api_key: str | None = None
     summary: Summary = field(default_factory=Summary)
     wall_s: float = 0.0
     cpu_s: float = 0.0
@@ -69,7 +72,13 @@ def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
         "litellm_settings:\n"
         "  num_retries: 0\n"
     )
-    env = {**os.environ, "LITELLM_LOG": "ERROR"}
+    # No cost-map download (there is no network here) and a master key, as it demands.
+    env = {
+        **os.environ,
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_MASTER_KEY": LITELLM_KEY,
+    }
     proc = subprocess.Popen(
         [
             str(exe),
@@ -106,6 +115,7 @@ async def _run_target(t: Target, concurrency: int, requests: int, max_tokens: in
     result = await run_load(
         t.url,
         MODEL,
+        api_key=t.api_key,
         concurrency=concurrency,
         requests=requests,
         max_tokens=max_tokens,
@@ -115,6 +125,10 @@ async def _run_target(t: Target, concurrency: int, requests: int, max_tokens: in
     t.cpu_s += cpu_seconds(t.pid) - cpu0
     t.wall_s += result.wall_s
     t.summary.merge(result.summary())
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 def _row(t: Target, base: Target) -> dict[str, Any]:
@@ -127,10 +141,12 @@ def _row(t: Target, base: Target) -> dict[str, Any]:
         "target": t.name,
         "ttft_p50_ms": j["ttft_ms"]["p50"],
         "ttft_p99_ms": j["ttft_ms"]["p99"],
-        "added_ttft_p50_ms": j["ttft_ms"]["p50"] - b["ttft_ms"]["p50"],
-        "added_ttft_p99_ms": j["ttft_ms"]["p99"] - b["ttft_ms"]["p99"],
-        "itl_p50_ms": j["itl_chunk_ms"]["p50"],
-        "itl_p99_ms": j["itl_chunk_ms"]["p99"],
+        "added_ttft_p50_ms": _sub(j["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
+        "added_ttft_p99_ms": _sub(j["ttft_ms"]["p99"], b["ttft_ms"]["p99"]),
+        # Per token (chunk gap / tokens in it): comparable whether or not chunks were merged.
+        "itl_p50_ms": j["itl_token_ms"]["p50"],
+        "itl_p99_ms": j["itl_token_ms"]["p99"],
+        "tokens_per_chunk": j["tokens_per_chunk"],
         "tokens_per_s": tps,
         "tokens_per_s_vs_direct": tps / (b["output_tokens_per_s"] or 1.0),
         "cpu_s_per_1k_tokens": (t.cpu_s / s.output_tokens * 1000) if s.output_tokens else None,
@@ -139,20 +155,24 @@ def _row(t: Target, base: Target) -> dict[str, Any]:
     }
 
 
+def _f(v: float | None, width: int, digits: int = 2) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"
+
+
 def _print(pace: str, concurrency: int, rows: list[dict[str, Any]]) -> None:
     print(f"\n== {pace}, concurrency {concurrency} ==")
-    head = (
+    print(
         f"{'target':<11} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
-        f"{'ITL p50':>8} {'p99':>7} {'tok/s':>9} {'x direct':>8} {'CPU s/1k':>8} {'fail':>5}"
+        f"{'ITL/tok p50':>11} {'p99':>7} {'tok/chunk':>9} {'tok/s':>9} {'x direct':>8} "
+        f"{'CPU s/1k':>8} {'fail':>5}"
     )
-    print(head)
     for r in rows:
-        cpu = r["cpu_s_per_1k_tokens"]
         print(
-            f"{r['target']:<11} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:8.2f} "
-            f"{r['added_ttft_p50_ms']:7.2f} {r['added_ttft_p99_ms']:7.2f} "
-            f"{r['itl_p50_ms']:8.2f} {r['itl_p99_ms']:7.2f} {r['tokens_per_s']:9.0f} "
-            f"{r['tokens_per_s_vs_direct']:8.2f} {'-' if cpu is None else f'{cpu:8.3f}':>8} "
+            f"{r['target']:<11} {_f(r['ttft_p50_ms'], 9)} {_f(r['ttft_p99_ms'], 8)} "
+            f"{_f(r['added_ttft_p50_ms'], 7)} {_f(r['added_ttft_p99_ms'], 7)} "
+            f"{_f(r['itl_p50_ms'], 11, 3)} {_f(r['itl_p99_ms'], 7, 3)} "
+            f"{_f(r['tokens_per_chunk'], 9)} {_f(r['tokens_per_s'], 9, 0)} "
+            f"{_f(r['tokens_per_s_vs_direct'], 8)} {_f(r['cpu_s_per_1k_tokens'], 8, 3)} "
             f"{r['requests_failed']:5d}"
         )
 
@@ -198,12 +218,15 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
                     Target("tokenpipe", gw.url + "/v1", gw.pid),
                 ]
                 if litellm is not None:
-                    targets.append(Target("litellm", f"http://127.0.0.1:{port}/v1", litellm.pid))
+                    targets.append(
+                        Target("litellm", f"http://127.0.0.1:{port}/v1", litellm.pid, LITELLM_KEY)
+                    )
                 requests = concurrency * args.requests_per_user
                 for t in targets:  # warm-up: connections, caches, JIT-free but lazy imports
                     await run_load(
                         t.url,
                         MODEL,
+                        api_key=t.api_key,
                         concurrency=concurrency,
                         requests=concurrency,
                         max_tokens=8,
