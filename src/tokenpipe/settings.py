@@ -98,10 +98,11 @@ class ContextSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     #: max_tokens is lowered to what fits only while at least this many (or the client's own
     #: max_tokens, if smaller) remain; below it the history is compressed instead.
     min_output_tokens: PositiveInt = 64
-    #: Share of the window's prompt budget a compression fills: 1.0 drops only what does not
-    #: fit; less (e.g. 0.6) leaves room for the next turns, which then reuse the same kept
-    #: prefix (one summary per several turns, and upstream prompt caches keep hitting).
-    compress_target: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    #: Share of the window's prompt budget a new cut fills. 1.0 drops only what does not fit;
+    #: less leaves room for the next turns, which then reuse the same cut (one summary serves
+    #: several turns, and upstream prompt caches keep hitting). Unset: 1.0 with truncate,
+    #: 0.7 with summarize.
+    compress_target: Annotated[float, Meta(gt=0, le=1)] | None = None
     #: Model that writes summaries (default: the request's own model).
     summarizer_model: str | None = None
     #: A summary that takes longer than this falls back to truncation (seconds).
