@@ -11,8 +11,9 @@ machine noise falls on all of them alike. The policy is chosen per request with 
 - `truncate`  the oldest turns dropped to fit;
 - `summarize` the oldest turns replaced by a summary from the same upstream (cached: each turn
               summarises only what was newly dropped);
-- `summarize@0.6` the same with `compress_target: 0.6`: a compression fills 60% of the prompt
-              budget, so the next turns fit without a new summary.
+- `summarize@1.0` the same with `compress_target: 1.0`: each cut drops only what does not
+              fit, so nearly every turn past the window extends the summary (summarize's
+              default, 0.7, leaves room for the next turns to reuse the cut).
 
 Prompt tokens are the upstream's own `usage.prompt_tokens` of the answers, plus, for
 summarize, the prompt tokens of the summarising calls (from the upstream's stats). TTFT is
@@ -42,13 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests import procs
 from tokenpipe import sse
 
-#: (label, policy, compress_target): each compress_target has its own gateway and upstream, so
-#: the summarising calls of a variant are counted apart.
-VARIANTS = (
-    ("off", "off", 1.0),
-    ("truncate", "truncate", 1.0),
-    ("summarize", "summarize", 1.0),
-    ("summarize@0.6", "summarize", 0.6),
+#: (label, policy, compress_target): one gateway per compress_target (None: the default, 0.7
+#: for summarize); summarising calls are counted around each request, so per variant.
+VARIANTS: tuple[tuple[str, str, float | None], ...] = (
+    ("off", "off", None),
+    ("truncate", "truncate", None),
+    ("summarize@1.0", "summarize", 1.0),
+    ("summarize", "summarize", None),
 )
 POLICIES = tuple(v[0] for v in VARIANTS)
 WORDS = (
@@ -147,7 +148,11 @@ async def summary_stats(session: aiohttp.ClientSession, stats_url: str) -> tuple
 
 
 async def run(
-    targets: dict[float, tuple[str, str]], model: str, turns: int, words: int, max_tokens: int
+    targets: dict[float | None, tuple[str, str]],
+    model: str,
+    turns: int,
+    words: int,
+    max_tokens: int,
 ) -> dict[str, Any]:
     """targets: compress_target -> (gateway base URL, upstream stats URL)."""
     convos: dict[str, list[dict[str, Any]]] = {
@@ -157,32 +162,32 @@ async def run(
     trials: dict[str, list[dict[str, Any]]] = {label: [] for label in POLICIES}
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        before = {t: await summary_stats(session, u[1]) for t, u in targets.items()}
+        calls = {label: [0, 0] for label in POLICIES}  # summarising calls, their tokens
         for turn in range(turns):
             k = turn % len(VARIANTS)
             for label, policy, target in VARIANTS[k:] + VARIANTS[:k]:
                 msgs = convos[label]
                 # Each variant's conversation has its own words, so no summary is shared.
                 msgs.append({"role": "user", "content": f"[{label}] " + user_message(turn, words)})
-                r = await one_turn(session, targets[target][0], model, policy, msgs, max_tokens)
+                gw, stats = targets[target]
+                before = await summary_stats(session, stats)
+                r = await one_turn(session, gw, model, policy, msgs, max_tokens)
+                after = await summary_stats(session, stats)
+                calls[label][0] += after[0] - before[0]
+                calls[label][1] += after[1] - before[1]
                 trials[label].append(r)
                 msgs.append({"role": "assistant", "content": r["text"] or "(no answer)"})
-        after = {t: await summary_stats(session, u[1]) for t, u in targets.items()}
     out: dict[str, Any] = {}
-    for label, policy, target in VARIANTS:
+    for label in POLICIES:
         ok = [t for t in trials[label] if t["status"] == 200]
         ttfts = [t["ttft"] for t in ok if t["ttft"] is not None]
         sent = sum(t["prompt_tokens"] for t in ok)
-        calls, extra = (
-            (after[target][0] - before[target][0], after[target][1] - before[target][1])
-            if policy == "summarize"
-            else (0, 0)
-        )
+        n_calls, extra = calls[label]
         out[label] = {
             "turns": len(trials[label]),
             "errors": len(trials[label]) - len(ok),
             "compressed_turns": sum(1 for t in ok if t["report"]),
-            "summary_calls": calls,
+            "summary_calls": n_calls,
             "prompt_tokens": sent,
             "summary_prompt_tokens": extra,
             "total_prompt_tokens": sent + extra,
@@ -217,7 +222,7 @@ def table(title: str, res: dict[str, Any]) -> str:
 
 
 def gateway_config(
-    upstream: str, model: str, window: int, summary_max: int, target: float
+    upstream: str, model: str, window: int, summary_max: int, target: float | None
 ) -> dict[str, Any]:
     return {
         "upstreams": [{"name": "up", "url": upstream + "/v1"}],
@@ -253,8 +258,8 @@ def main() -> None:
     result: dict[str, Any] = {"args": vars(args)}
 
     with contextlib.ExitStack() as stack:
-        targets: dict[float, tuple[str, str]] = {}
-        for target in sorted({v[2] for v in VARIANTS}):
+        targets: dict[float | None, tuple[str, str]] = {}
+        for target in dict.fromkeys(v[2] for v in VARIANTS):
             sim = stack.enter_context(
                 procs.sim("--ttft-ms", "20", "--itl-ms", "2", "--model", "sim-model")
             )
@@ -282,7 +287,7 @@ def main() -> None:
                 )
             )
             targets = {}
-            for target in sorted({v[2] for v in VARIANTS}):
+            for target in dict.fromkeys(v[2] for v in VARIANTS):
                 cfg = work / f"local-{target}.yaml"
                 cfg.write_text(
                     yaml.safe_dump(

@@ -85,6 +85,8 @@ def gateway(
             "min_output_tokens": 16,
             "summary_max_tokens": SUMMARY_MAX,
             "summary_deadline_seconds": 5,
+            # Cut only what does not fit, so each turn moves the cut and extends the summary.
+            "compress_target": 1.0,
             # A summarizer with a large window, so the first summary covers every dropped turn.
             "summarizer_model": "big-summarizer",
             "models": [

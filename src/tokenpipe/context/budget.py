@@ -42,6 +42,8 @@ REPORT_HEADER = "x-tokenpipe-context"
 POLICIES = ("off", "truncate", "summarize")
 #: Models whose counters and estimators are remembered; the oldest is forgotten beyond it.
 MAX_MODELS = 1024
+#: compress_target of the summarize policy when the config leaves it unset.
+SUMMARIZE_TARGET = 0.7
 #: Largest summary response read (bytes); a larger one is treated as a failed summary.
 MAX_SUMMARY_BYTES = 1 << 20
 
@@ -167,8 +169,13 @@ class ContextBudget:
             return await self._chat(req, obj, counter, window, policy)
         return self._text(req, obj, counter, window)
 
-    def _limits(self, window: int, counter: tokens.TokenCounter, prompt: int) -> plan.Limits:
+    def _limits(
+        self, window: int, counter: tokens.TokenCounter, prompt: int, policy: str = "truncate"
+    ) -> plan.Limits:
         s = self.settings
+        target = s.compress_target
+        if target is None:  # a summary is a call: cut deeper so it serves several turns
+            target = SUMMARIZE_TARGET if policy == "summarize" else 1.0
         margin = s.margin_tokens
         if not counter.exact:
             margin += math.ceil(s.estimate_margin * prompt)
@@ -177,7 +184,7 @@ class ContextBudget:
             margin=margin,
             reserve_output=s.reserve_output_tokens,
             min_output=s.min_output_tokens,
-            compress_target=s.compress_target,
+            compress_target=target,
         )
 
     def _text(
@@ -219,7 +226,7 @@ class ContextBudget:
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens or req.max_tokens
         prompt = sum(costs) + reply
-        limits = self._limits(window, counter, prompt)
+        limits = self._limits(window, counter, prompt, policy)
         extra = 0
         if policy == "summarize":
             extra = (
