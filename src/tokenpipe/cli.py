@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import click
@@ -30,8 +29,10 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _logging(level: str, fmt: str = "text") -> None:
+    from tokenpipe.observe import logs
+
+    logs.configure(level, fmt)
 
 
 @main.command()
@@ -47,16 +48,21 @@ def _logging(level: str) -> None:
               help="How long open streams may finish after SIGTERM.  [default: 30]")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-format", default="text", show_default=True,
+              type=click.Choice(["text", "json"]),
+              help="json: one object per line with the request id (x-request-id) of each line.")
+@click.option("--access-log", is_flag=True, default=None,
+              help="One log line per request (also server.access_log in the config).")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Gateway processes on one port (SO_REUSEPORT). Limits are shared through "
                    "Redis, or split evenly across workers with the memory backend.")
 def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
           port: int | None, grpc_port: int | None, drain_seconds: float | None,
-          log_level: str, workers: int) -> None:
+          log_level: str, log_format: str, access_log: bool | None, workers: int) -> None:
     """Run the gateway: OpenAI-compatible HTTP (and gRPC) in front of one or more upstreams."""
     from tokenpipe import gateway, serving, settings as settings_mod
 
-    _logging(log_level)
+    _logging(log_level, log_format)
     try:
         cfg = settings_mod.load(config_path) if config_path else settings_mod.Settings()
         if upstreams:
@@ -72,6 +78,8 @@ def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
         cfg.server.grpc_port = grpc_port
     if drain_seconds is not None:
         cfg.server.drain_seconds = drain_seconds
+    if access_log is not None:
+        cfg.server.access_log = access_log
     if not cfg.upstreams:
         # No upstream: the embedded local model, run as a managed child process `tokenpipe
         # local` (not in this process: its per-token Python work would compete with the
@@ -161,7 +169,8 @@ def _register_optional() -> None:
     import importlib
 
     for module in ("tokenpipe.engines.local.cli", "tokenpipe.bench.cli",
-                   "tokenpipe.doctor.cli", "tokenpipe.context.kv_cli"):
+                   "tokenpipe.doctor.cli", "tokenpipe.context.kv_cli",
+                   "tokenpipe.config_cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -53,4 +53,7 @@ async def run(settings: Settings, sock: socket.socket | None = None) -> None:
         extra_start=start_grpc,
         extra_stop=stop_grpc,
         sock=sock,
+        # Also the deadline on a new connection's request headers (slowloris).
+        idle_seconds=min(75.0, settings.server.read_timeout_seconds),
+        access_log=settings.server.access_log,
     )

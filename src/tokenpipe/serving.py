@@ -9,6 +9,7 @@ On SIGTERM or SIGINT: stop accepting, report not-ready, let open requests finish
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 import sys
@@ -38,15 +39,22 @@ async def serve(
     extra_start: Hook | None = None,
     extra_stop: Hook | None = None,
     sock: socket.socket | None = None,
+    idle_seconds: float = 75.0,
+    access_log: bool = False,
 ) -> None:
+    """`idle_seconds`: an idle keep-alive connection is closed after this long, and so is a new
+    connection whose first request's headers have not all arrived by then (aiohttp arms its
+    keep-alive timer at connect: it is the only deadline on trickled headers)."""
+    from tokenpipe.observe.logs import AccessLog
+
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
         shutdown_timeout=drain_seconds,
-        access_log=None,
+        access_log=logging.getLogger("tokenpipe.access") if access_log else None,
+        access_log_class=AccessLog,
         handle_signals=False,
-        # Idle keep-alive connections are closed after this long (seconds).
-        keepalive_timeout=75,
+        keepalive_timeout=idle_seconds,
     )
     await runner.setup()
     site: web.BaseSite

@@ -33,6 +33,12 @@ class ServerSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     #: up to 4 MiB on Linux). Small, so a slow reader is noticed at once and gets merged
     #: events instead of a stale backlog parked in the kernel; tokens need little bandwidth.
     stream_send_buffer_bytes: Annotated[int, Meta(ge=0)] = 16 * 1024
+    #: Browser origins allowed to call the API (CORS), e.g. `https://app.example.com`; "*" for
+    #: any. Empty (the default): no CORS headers, browsers on other origins are refused.
+    cors_origins: list[str] = msgspec.field(default_factory=list)
+    #: One log line per request (method, path, status, duration, request id) on the
+    #: `tokenpipe.access` logger.
+    access_log: bool = False
 
 
 class ApiKey(Struct, forbid_unknown_fields=True, kw_only=True):

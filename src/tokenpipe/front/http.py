@@ -13,6 +13,7 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from importlib import resources
 from typing import Any
 
 import aiohttp
@@ -22,8 +23,8 @@ from aiohttp import web
 from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import schema
-from tokenpipe.observe import metrics
+from tokenpipe.front import cors, schema
+from tokenpipe.observe import logs, metrics
 from tokenpipe.pipeline import Call, Gateway
 from tokenpipe.relay import EventParser, StreamTally, emit_sse, relay_stream
 from tokenpipe.upstream.http import read_bounded
@@ -59,6 +60,8 @@ def error_response(e: GatewayError, request_id: str | None = None) -> web.Respon
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every error leaves as OpenAI-shaped JSON: ours, aiohttp's (404/405/413), or a bug's."""
+    # Log lines written while serving this request carry its id (observe/logs.py).
+    token = logs.REQUEST_ID.set(_request_id(request))
     try:
         return await handler(request)
     except GatewayError as e:
@@ -74,9 +77,14 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         return error_response(
             GatewayError(500, "Internal error in the gateway."), request.get("request_id")
         )
+    finally:
+        logs.REQUEST_ID.reset(token)
 
 
 def _request_id(request: web.Request) -> str:
+    known: str | None = request.get("request_id")
+    if known is not None:
+        return known
     rid = request.headers.get("x-request-id")
     if rid is None or not _REQUEST_ID.match(rid):
         rid = uuid.uuid4().hex
@@ -286,6 +294,17 @@ async def readyz(request: web.Request) -> web.Response:
     return json_response(200, b'{"status":"ready"}')
 
 
+async def openapi(request: web.Request) -> web.Response:
+    """The gateway's own OpenAPI description (front/openapi.json, shipped as package data)."""
+    global _OPENAPI
+    if _OPENAPI is None:
+        _OPENAPI = (resources.files("tokenpipe.front") / "openapi.json").read_bytes()
+    return json_response(200, _OPENAPI)
+
+
+_OPENAPI: bytes | None = None
+
+
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(
         middlewares=[errors_middleware],
@@ -300,6 +319,8 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/openapi.json", openapi)
+    cors.install(app, gateway.settings.server.cors_origins)
 
     async def start(app: web.Application) -> None:
         await gateway.start()

@@ -1,0 +1,62 @@
+"""Opt-in CORS (`server.cors_origins`): off unless configured, so a web page on another origin
+cannot make a visitor's browser call the gateway.
+
+Hand-written rather than aiohttp-cors: the rule is ten lines (one allow-list, no credentials,
+a fixed set of headers) and must also cover streamed responses, which are sent before a
+middleware could add headers; `on_response_prepare` sees every response in time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+_ALLOW_HEADERS = "authorization, content-type, x-request-id, x-tokenpipe-max-tokens-per-second"
+_EXPOSE_HEADERS = (
+    "x-request-id, retry-after, x-ratelimit-limit-requests, x-ratelimit-limit-tokens, "
+    "x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens, "
+    "x-ratelimit-reset-requests, x-ratelimit-reset-tokens"
+)
+#: How long a browser may cache a preflight answer (seconds).
+_MAX_AGE = "600"
+
+
+def install(app: web.Application, origins: list[str]) -> None:
+    if not origins:
+        return
+    allowed = frozenset(origins)
+
+    def allow(request: web.BaseRequest) -> str | None:
+        origin = request.headers.get("Origin")
+        if origin is None:
+            return None
+        if origin in allowed:
+            return origin
+        return "*" if "*" in allowed else None
+
+    @web.middleware
+    async def preflight(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            if allow(request) is None:
+                return web.Response(status=403)
+            return web.Response(
+                status=204,
+                headers={
+                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers": _ALLOW_HEADERS,
+                    "Access-Control-Max-Age": _MAX_AGE,
+                },
+            )
+        return await handler(request)
+
+    async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
+        origin = allow(request)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = _EXPOSE_HEADERS
+            if origin != "*":
+                response.headers["Vary"] = "Origin"
+
+    app.middlewares.insert(0, preflight)
+    app.on_response_prepare.append(add_headers)

@@ -1,0 +1,102 @@
+"""Logging: text or one JSON object per line, each carrying the request id of the request that
+was being served when the line was written, and never an API key.
+
+The request id travels in a context variable (set by the HTTP front for each request), so any
+logger anywhere below the front adds it without being handed the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from contextvars import ContextVar
+from typing import Any
+
+import orjson
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web import BaseRequest, StreamResponse
+
+#: The id of the request being served in this task (None outside a request).
+REQUEST_ID: ContextVar[str | None] = ContextVar("tokenpipe_request_id", default=None)
+
+# Defence in depth: nothing logs a key on purpose, but a message that quotes a header or an
+# upstream's error text could. Bearer tokens and OpenAI/Anthropic-style keys are masked.
+_SECRETS = re.compile(
+    r"(?i)(bearer\s+|api[_-]?key[\"'=:\s]+|x-api-key[\"'=:\s]+)[^\s\"',;]+"
+    r"|\b(sk|rk|pk)-[A-Za-z0-9_\-]{8,}"
+)
+
+
+def redact(text: str) -> str:
+    return _SECRETS.sub(lambda m: (m.group(1) or "") + "[redacted]", text)
+
+
+class JsonFormatter(logging.Formatter):
+    """`{"ts", "level", "logger", "message", "request_id"?, "exc"?, ...extra}` per line."""
+
+    #: Attributes of every LogRecord; anything else on a record came from `extra=` and is kept.
+    _STANDARD = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),  # seconds since the epoch
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": redact(record.getMessage()),
+        }
+        rid = getattr(record, "request_id", None) or REQUEST_ID.get()
+        if rid:
+            out["request_id"] = rid
+        for k, v in record.__dict__.items():
+            if k not in self._STANDARD and k not in out:
+                out[k] = v
+        if record.exc_info:
+            out["exc"] = redact(self.formatException(record.exc_info))
+        return orjson.dumps(out, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = redact(super().format(record))
+        rid = getattr(record, "request_id", None) or REQUEST_ID.get()
+        return f"{text} [request_id={rid}]" if rid else text
+
+
+def configure(level: str = "info", fmt: str = "text") -> None:
+    """Replaces the root handlers: one stderr handler in the chosen format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+class AccessLog(AbstractAccessLogger):
+    """aiohttp's access log as one structured record per request on `tokenpipe.access`."""
+
+    def log(self, request: BaseRequest, response: StreamResponse, time_taken: float) -> None:
+        rid = request.get("request_id") or response.headers.get("x-request-id")
+        self.logger.info(
+            "%s %s %d %.1f ms",
+            request.method,
+            request.path,
+            response.status,
+            time_taken * 1000,
+            extra={
+                "request_id": rid,
+                "method": request.method,
+                "path": request.path,
+                "status": response.status,
+                "duration_ms": round(time_taken * 1000, 3),
+            },
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)
