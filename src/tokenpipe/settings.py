@@ -173,6 +173,84 @@ class KeyQuota(Struct, forbid_unknown_fields=True, kw_only=True):
     bucket_seconds: PositiveFloat = 60.0
 
 
+class DeadlineSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    """clamp(k x p-quantile, floor, ceiling) of what this upstream and model did lately;
+    `initial` until `min_samples` values were seen (docs/config.md, tail)."""
+
+    k: PositiveFloat = 1.5
+    quantile: Annotated[float, Meta(gt=0, lt=1)] = 0.99
+    floor_seconds: PositiveFloat = 2.0
+    ceiling_seconds: PositiveFloat = 10.0
+    initial_seconds: PositiveFloat = 10.0
+
+
+class RetrySettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    enabled: bool = True
+    #: Sends per request at most, first one included.
+    max_attempts: PositiveInt = 3
+    #: Retries allowed per request over the budget window (0.1: at most 10% more requests).
+    budget_ratio: Annotated[float, Meta(ge=0)] = 0.1
+    #: Retries allowed per window on top of the ratio (so a quiet gateway can still retry).
+    budget_reserve: Annotated[float, Meta(ge=0)] = 3.0
+    #: Full-jitter exponential backoff before retrying the same upstream (seconds).
+    backoff_base_seconds: PositiveFloat = 0.1
+    backoff_cap_seconds: PositiveFloat = 2.0
+
+
+class HedgeSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    enabled: bool = True
+    #: A second request goes out when no first token arrived after this quantile of TTFT.
+    quantile: Annotated[float, Meta(gt=0, lt=1)] = 0.95
+    #: Hedge delay while the TTFT estimate has fewer than `tail.min_samples` values (seconds).
+    initial_delay_seconds: PositiveFloat = 1.0
+    #: Shortest hedge delay (seconds).
+    min_delay_seconds: Annotated[float, Meta(ge=0)] = 0.01
+    #: Hedges allowed per request over the budget window (0.05: at most 5% more requests).
+    budget_ratio: Annotated[float, Meta(ge=0)] = 0.05
+    budget_reserve: Annotated[float, Meta(ge=0)] = 1.0
+    #: A hedge waits at most this long for limiter capacity, else it is not sent (seconds).
+    max_queue_seconds: PositiveFloat = 0.05
+
+
+class RecoverySettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Mid-stream recovery: a text completion cut after content continues elsewhere."""
+
+    enabled: bool = True
+    #: Continuations per request at most.
+    max_continuations: PositiveInt = 2
+
+
+class BreakerSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    enabled: bool = True
+    #: Failures in a row that take an upstream out.
+    failures: PositiveInt = 5
+    #: Seconds out before one probe request is let through.
+    cooldown_seconds: PositiveFloat = 10.0
+
+
+class TailSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Tail-latency control (docs/config.md, `tail`). On by default."""
+
+    #: Adaptive TTFT and stall deadlines (off: only upstreams[].read_timeout_seconds).
+    deadlines: bool = True
+    ttft: DeadlineSettings = msgspec.field(default_factory=DeadlineSettings)
+    stall: DeadlineSettings = msgspec.field(default_factory=DeadlineSettings)
+    #: Whole-request deadline (seconds; unset: none). A client may ask for a shorter one
+    #: with the header x-tokenpipe-deadline-seconds.
+    total_seconds: PositiveFloat | None = None
+    retries: RetrySettings = msgspec.field(default_factory=RetrySettings)
+    hedging: HedgeSettings = msgspec.field(default_factory=HedgeSettings)
+    recovery: RecoverySettings = msgspec.field(default_factory=RecoverySettings)
+    breaker: BreakerSettings = msgspec.field(default_factory=BreakerSettings)
+    #: Window of the latency estimates (seconds) and samples before they replace the
+    #: static values.
+    window_seconds: PositiveFloat = 60.0
+    min_samples: PositiveInt = 20
+    #: Ordered upstream names per model: the first is tried first, the rest are fallbacks.
+    #: Models not named here use every upstream that serves them, in config order.
+    fallbacks: dict[str, list[str]] = msgspec.field(default_factory=dict)
+
+
 class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
@@ -182,6 +260,7 @@ class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
     #: the entry "*" applies to every key that has none of its own.
     keys: dict[str, KeyQuota] = msgspec.field(default_factory=dict)
     context: ContextSettings = msgspec.field(default_factory=ContextSettings)
+    tail: TailSettings = msgspec.field(default_factory=TailSettings)
 
 
 class ConfigError(Exception):

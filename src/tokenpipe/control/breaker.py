@@ -1,0 +1,56 @@
+"""A circuit breaker per upstream: after `failures` failures in a row the upstream is taken
+out for `cooldown` seconds, then one probe request is let through (half-open); its success
+closes the circuit, its failure opens it for another cooldown."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from tokenpipe.clock import MONOTONIC, Clock
+
+
+class State(IntEnum):
+    CLOSED = 0  # in service
+    HALF_OPEN = 1  # one probe in flight
+    OPEN = 2  # out for the cooldown
+
+
+class CircuitBreaker:
+    __slots__ = ("_clock", "_probe_at", "cooldown", "failures", "opened_at", "row", "state")
+
+    def __init__(self, failures: int = 5, cooldown: float = 10.0, clock: Clock = MONOTONIC):
+        self.failures = failures  # consecutive failures that open the circuit
+        self.cooldown = cooldown  # seconds out before a probe
+        self._clock = clock
+        self.state = State.CLOSED
+        self.row = 0  # consecutive failures so far
+        self.opened_at = 0.0
+        self._probe_at = 0.0
+
+    def allow(self) -> bool:
+        """May a request go to this upstream now? (Claims the probe when half-open.)"""
+        if self.state is State.CLOSED:
+            return True
+        now = self._clock.now()
+        if self.state is State.OPEN:
+            if now - self.opened_at < self.cooldown:
+                return False
+            self.state = State.HALF_OPEN
+            self._probe_at = now
+            return True
+        # Half-open: one probe at a time; a probe that never reports back (cancelled) is
+        # forgotten after a cooldown so the upstream cannot stay out forever.
+        if now - self._probe_at >= self.cooldown:
+            self._probe_at = now
+            return True
+        return False
+
+    def success(self) -> None:
+        self.state = State.CLOSED
+        self.row = 0
+
+    def failure(self) -> None:
+        self.row += 1
+        if self.state is State.HALF_OPEN or self.row >= self.failures:
+            self.state = State.OPEN
+            self.opened_at = self._clock.now()
