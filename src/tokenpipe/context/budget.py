@@ -309,6 +309,8 @@ class ContextBudget:
     ) -> int:
         """The earliest cut an earlier turn made that still fits, else `planned`.
 
+        (It may keep less than `planned` would: when the estimate changed since that turn.)
+
         Turn after turn the client resends the whole history; cutting it where the previous
         turn did keeps the compressed prefix identical, so a summary serves several turns and
         an upstream's prompt cache keeps hitting. With `compress_target` < 1 a new cut leaves
@@ -332,8 +334,6 @@ class ContextBudget:
             tail[i] = tail[i + 1] + own
         before = 0  # non-system messages before index i
         for i, m in enumerate(messages):
-            if i >= planned:
-                break
             if i > 0 and m.get("role") == "user" and tail[i] <= budget:
                 known = memory.get(hashes[before])
                 if known is not None:
