@@ -268,11 +268,16 @@ class ContextBudget:
                 new_messages = [*lead, note_msg, *rest, *kept]
         elif policy == "truncate":
             self.cuts.put(self._cut_key(messages, keep_from), "")
-        new_costs = tokens.count_messages(counter, new_messages)
-        new_prompt = sum(new_costs) + reply
+        new_prompt = sum(tokens.count_messages(counter, new_messages)) + reply
         room = window - limits.margin - new_prompt
+        if done == "summarize" and room < min(want, limits.min_output):
+            # A summary longer than asked for (or counted longer): send the cut without it.
+            done, note = "truncate", "too-long"
+            new_messages = [*system, *kept]
+            new_prompt = sum(tokens.count_messages(counter, new_messages)) + reply
+            room = window - limits.margin - new_prompt
         if room < min(want, limits.min_output):
-            raise _too_long(window, new_prompt)  # a summary longer than it was asked to be
+            raise _too_long(window, new_prompt)
         obj["messages"] = new_messages
         # The upstream will report the tokens of what is sent now, not of what arrived.
         calibrate = self._calibration(
