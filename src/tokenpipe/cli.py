@@ -98,7 +98,12 @@ def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
                 if cfg.server.port:
                     click.echo(child.examples(f"http://{cfg.server.host}:{cfg.server.port}/v1"),
                                err=True)
-                serving.run(gateway.run(cfg))
+                if workers > 1:  # N gateway processes share the one model (its queue is fair)
+                    from tokenpipe import workers as workers_mod
+
+                    workers_mod.run(cfg, workers, log_level)
+                else:
+                    serving.run(gateway.run(cfg))
         except child.ChildFailed as e:
             _fail(str(e))
         return
