@@ -238,6 +238,58 @@ def gateway_config(
     }
 
 
+async def hop_cost(iterations: int) -> dict[str, Any]:
+    """The context hop alone, in this process: microseconds per `ContextBudget.apply` on a
+    40-turn conversation, per counter, for a request that fits and one that is truncated."""
+    import copy
+
+    import msgspec
+
+    from tokenpipe.context.budget import ContextBudget
+    from tokenpipe.front import schema
+    from tokenpipe.router import Router
+    from tokenpipe.settings import ContextSettings
+
+    msgs = [{"role": "system", "content": "You are a patient assistant. Answer briefly."}]
+    for turn in range(40):
+        msgs.append({"role": "user", "content": user_message(turn, 40)})
+        msgs.append({"role": "assistant", "content": user_message(turn + 1, 40)})
+    counters = {"estimate": "estimate", "tiktoken": "tiktoken:cl100k_base", "gguf": "auto"}
+    models = [
+        {"name": f"{name}-{size}", "window": size, "tokenizer": spec}
+        for name, spec in counters.items()
+        for size in (100_000, 2048)
+    ]
+    # gguf: the local model's name picks its packaged vocabulary with tokenizer "auto".
+    for m in models:
+        if m["name"].startswith("gguf"):
+            m["name"] = "gemma-3-270m" if m["window"] == 100_000 else "gemma-3-270m@"
+            if m["name"].endswith("@"):
+                m["tokenizer"] = "gguf:local"
+    budget = ContextBudget(msgspec.convert({"models": models}, ContextSettings), Router([]))
+    out: dict[str, Any] = {}
+    for m in models:
+        obj = {"model": m["name"], "messages": msgs, "max_tokens": 64}
+        req = msgspec.convert(obj, schema.ChatRequest)
+        try:
+            await budget.counter(m["name"])
+        except Exception as e:  # the local extra is not installed
+            out[m["name"]] = {"error": str(e)}
+            continue
+        times = []
+        for _ in range(iterations):
+            o = copy.copy(obj)
+            t0 = time.perf_counter()
+            await budget.apply(schema.ChatRequest, req, o, {})
+            times.append(time.perf_counter() - t0)
+        counter = budget._counters[m["name"]]
+        out[f"{counter.name.split(':')[0]} / {'fits' if m['window'] > 2048 else 'truncated'}"] = {
+            "median_us": statistics.median(times) * 1e6,
+            "first_us": times[0] * 1e6,  # counts not cached yet: every message tokenized
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--turns", type=int, default=40)
@@ -272,6 +324,18 @@ def main() -> None:
         res = asyncio.run(run(targets, "sim-model", args.turns, args.words, args.max_tokens))
     result["sim"] = res
     print(table(f"sim: {args.turns} turns, window {args.window}, sim TTFT 20 ms, 2 ms/token", res))
+    cost = asyncio.run(hop_cost(50))
+    result["hop_cost"] = cost
+    print("\ncontext hop alone, 81-message conversation (~5,000 words):")
+    for name, r in cost.items():
+        print(
+            f"  {name:<24} "
+            + (
+                f"{r['median_us']:>9.0f} us/request (first: {r['first_us']:,.0f} us)"
+                if "median_us" in r
+                else r["error"]
+            )
+        )
 
     if args.local:
         with contextlib.ExitStack() as stack:

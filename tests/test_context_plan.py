@@ -249,3 +249,43 @@ async def test_window_is_discovered_from_the_upstream_models_list_and_cached() -
 @pytest.mark.parametrize("spec", ["estimate", "tiktoken:no_such_encoding"])
 def test_counter_specs_without_a_tokenizer_fall_back_to_estimating(spec: str) -> None:
     assert tokens.open_counter(spec, "gpt-4", None) is None
+
+
+class _Words:
+    """A counter of whitespace-separated words that records what it was asked to count."""
+
+    exact = True
+    name = "words"
+    chat = tokens.DEFAULT_CHAT
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def count(self, text: str) -> int:
+        self.asked.append(text)
+        return len(text.split())
+
+
+def test_resent_history_is_tokenized_once() -> None:
+    inner = _Words()
+    counter = tokens.CachedCounter(inner, entries=8)
+    turn1 = convo(1)
+    assert tokens.count_messages(counter, turn1) == tokens.count_messages(_Words(), turn1)
+    asked = len(inner.asked)
+    turn2 = [*turn1, {"role": "assistant", "content": "new answer"}]
+    tokens.count_messages(counter, turn2)
+    assert inner.asked[asked:] == ["new answer"]  # only the new message was tokenized
+    for i in range(10):  # bounded: the oldest entries go
+        counter.count(f"text {i}")
+    assert len(counter._seen) == 8
+
+
+def test_byte_bound_is_never_below_the_exact_count() -> None:
+    counter = tokens.open_counter("tiktoken:cl100k_base", "gpt-4", None)
+    assert counter is not None
+    msgs = [
+        {"role": "user", "content": "naïve café — 東京 🚀 x" * 20, "name": "bob"},
+        {"role": "assistant", "content": "ok " * 50},
+    ]
+    exact = sum(tokens.count_messages(counter, msgs)) + counter.chat.reply
+    assert exact <= tokens.upper_bound(counter, msgs)

@@ -217,14 +217,19 @@ class ContextBudget:
         self, req: Any, obj: dict[str, Any], counter: tokens.TokenCounter, window: int, policy: str
     ) -> ContextOutcome:
         messages: list[dict[str, Any]] = obj["messages"]
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if counter.exact:
+            # Fast path: most requests are far below the window; bytes bound the tokens.
+            want = max_tokens if max_tokens is not None else self.settings.reserve_output_tokens
+            if tokens.upper_bound(counter, messages) + want + self.settings.margin_tokens <= window:
+                return UNCHANGED
         costs = tokens.count_messages(counter, messages)
         reply = counter.chat.reply
         chars = sum(len(tokens.message_text(m)) for m in messages)
         calibrate = self._calibration(
             counter, chars, counter.chat.per_message * len(messages) + reply
         )
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = req.max_completion_tokens or req.max_tokens
         prompt = sum(costs) + reply
         limits = self._limits(window, counter, prompt, policy)
         extra = 0
