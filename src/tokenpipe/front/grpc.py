@@ -20,6 +20,7 @@ import aiohttp
 import grpc
 import msgspec
 import orjson
+from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
 from tokenpipe.control.flowgate import FlowGate
@@ -65,7 +66,12 @@ class ChatService(chat_pb2_grpc.ChatServicer):
         except GatewayError as e:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.message)
             return
-        await _Session(self.gateway, context, key).run(request_iterator)
+        try:
+            await _Session(self.gateway, context, key).run(request_iterator)
+        except DecodeError:
+            # A client's malformed bytes are its mistake, not ours: INVALID_ARGUMENT, no
+            # traceback (the session already cancelled whatever the stream had started).
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Malformed ClientMessage.")
 
 
 class _Session:
@@ -224,7 +230,12 @@ class _Session:
                         )
 
             error = await relay_stream(
-                call.uresp, EventParser(call.tally, False), emit, state.gate, state.changed
+                call.uresp,
+                EventParser(call.tally, False),
+                emit,
+                state.gate,
+                state.changed,
+                guard=call.guard,
             )
             if error is not None:
                 status = error.status
