@@ -10,7 +10,6 @@ import json
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import psutil
