@@ -25,6 +25,7 @@ from aiohttp import web
 
 from tokenpipe import sse
 from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.engines.local import decode, metrics
 from tokenpipe.engines.local.decode import Done, Failed, Item, Record, SamplingParams
 from tokenpipe.engines.local.handoff import TokenHandoff
@@ -70,6 +71,13 @@ class EngineConfig:
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    #: The rate (tokens/s) the reader renders at; decoding is paced to it (see `_stream`).
+    max_tokens_per_second: float | None = None
+
+
+#: Request header with the same meaning as `stream_options.max_tokens_per_second`; the gateway
+#: sends it when its client asked for a pace, so the pace reaches generation.
+PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
 
 
 class _Params(msgspec.Struct, kw_only=True):
@@ -264,7 +272,8 @@ class LocalServer:
         try:
             if req.stream:
                 usage = bool(req.stream_options and req.stream_options.include_usage)
-                return await self._stream(request, rec, kind, model, handoff, usage)
+                gate = _pace(request, req.stream_options)
+                return await self._stream(request, rec, kind, model, handoff, usage, gate)
             return await self._unary(rec, kind, model, handoff)
         finally:
             handoff.close()  # no-op after the end; else stops the decode thread at once
@@ -319,7 +328,11 @@ class LocalServer:
         model: str,
         handoff: TokenHandoff[Item],
         include_usage: bool,
+        gate: FlowGate | None = None,
     ) -> web.StreamResponse:
+        """Tokens go out as the socket takes them, or at the pace `gate` allows: this handler
+        takes a piece from the hand-off only when it may send it, so with a pace the hand-off
+        fills and the decode thread waits (decoding slows to the pace; nothing piles up)."""
         resp = web.StreamResponse(headers={**_SSE_HEADERS, "x-request-id": rec.id})
         writer = await resp.prepare(request)
         assert writer is not None
@@ -329,15 +342,25 @@ class LocalServer:
             await resp.write(chunks.role())
         end: Done | Failed | None = None
         while end is None:
+            allowed = 1 << 30
+            if gate is not None:
+                allowed, wait = gate.allowance()
+                if allowed < 1:
+                    await asyncio.sleep(wait)
+                    continue
             item: Item | None = await handoff.get()
             out: list[bytes] = []
             while item is not None:  # everything already decoded goes out in one write
                 if isinstance(item, str):
                     out.append(chunks.content(item))
+                    if len(out) >= allowed:
+                        break
                     item = handoff.get_nowait()
                 else:
                     end = item
                     break
+            if gate is not None:
+                gate.consume(len(out))
             if out:
                 await resp.write(b"".join(out))
                 await writer.drain()  # the pause: no next piece until the socket took this
@@ -445,6 +468,26 @@ def _usage(rec: Record) -> dict[str, int]:
 
 def _id(kind: str, rid: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
+
+
+def _pace(request: web.Request, options: StreamOptions | None) -> FlowGate | None:
+    rate = options.max_tokens_per_second if options else None
+    header = request.headers.get(PACE_HEADER)
+    if header is not None:
+        try:
+            rate = float(header)
+        except ValueError:
+            raise GatewayError(
+                400,
+                f"{PACE_HEADER} must be a number of tokens per second.",
+                param=PACE_HEADER,
+                code="invalid_request",
+            ) from None
+    if not rate or rate <= 0:
+        return None
+    gate = FlowGate()
+    gate.set_rate(rate)
+    return gate
 
 
 def _small_buffers(request: web.Request) -> None:
