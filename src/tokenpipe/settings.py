@@ -278,7 +278,10 @@ def load(path: str | Path) -> Settings:
         raise ConfigError(f"{path}: {e}") from None
     except msgspec.DecodeError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    check(settings)
+    try:
+        check(settings)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     return settings
 
 
@@ -287,7 +290,7 @@ def check(settings: Settings) -> None:
     names = [u.name for u in settings.upstreams]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ConfigError(f"upstream names must be unique: {', '.join(dupes)}")
+        raise ConfigError(f"upstream names must be unique: {', '.join(dupes)} - at `$.upstreams`")
 
 
 def upstream_from_url(url: str, index: int) -> UpstreamSettings:
