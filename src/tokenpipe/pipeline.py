@@ -19,6 +19,7 @@ from tokenpipe.observe import metrics
 from tokenpipe.relay import StreamTally
 from tokenpipe.router import Router
 from tokenpipe.settings import Settings
+from tokenpipe.tail import StreamGuard, TailControl
 from tokenpipe.upstream.http import HttpUpstream
 
 PATHS = {schema.ChatRequest: "/chat/completions", schema.CompletionRequest: "/completions"}
@@ -33,6 +34,7 @@ class Gateway:
         self.auth = Authenticator(settings.auth.api_keys)
         self.context = ContextBudget(settings.context, router)
         self.traffic = TrafficControl(settings)
+        self.tail = TailControl(settings.tail, router)
         self.draining = False
 
     async def start(self) -> None:
@@ -82,13 +84,21 @@ class Gateway:
         # Per-key quota (429 when over; it needs the token count, so it follows the parse),
         # then the upstream limiter inside open(): waits for capacity, learns from the answer.
         ticket = await self.traffic.admit(key, obj)
+        path = PATHS[kind]
+        stream = bool(req.stream)
         try:
-            upstream, uresp = await self.router.open(
-                req.model, PATHS[kind], body, request_id, ticket
+            # Deadlines, retries, hedging, fallbacks, circuit breaking (tail.py).
+            upstream, uresp, sent_at, end_at = await self.tail.open(
+                req.model, path, body, request_id, ticket, stream=stream, headers=headers
             )
         except BaseException:
             ticket.finish()
             raise
+        guard = None
+        if stream and uresp.status == 200:
+            guard = self.tail.guard(
+                upstream, req.model, path, body, obj, request_id, ticket, sent_at, end_at
+            )
         return Call(
             upstream,
             uresp,
@@ -96,13 +106,14 @@ class Gateway:
             ticket,
             ctx,
             strip_usage,
+            guard,
         )
 
 
 class Call:
     """One upstream call in flight. `close(status)` must run exactly once, whatever happens."""
 
-    __slots__ = ("ctx", "gauge", "strip_usage", "tally", "ticket", "upstream", "uresp")
+    __slots__ = ("ctx", "gauge", "guard", "strip_usage", "tally", "ticket", "upstream", "uresp")
 
     def __init__(
         self,
@@ -112,8 +123,12 @@ class Call:
         ticket: Ticket,
         ctx: ContextOutcome,
         strip_usage: bool,
+        guard: StreamGuard | None = None,
     ) -> None:
         self.upstream = upstream
+        #: Tail control for the stream (bytes read while racing, stall deadline, recovery);
+        #: pass it to relay_stream.
+        self.guard = guard
         self.uresp = uresp
         self.tally = tally
         self.ticket = ticket
@@ -124,6 +139,8 @@ class Call:
 
     def close(self, status: int) -> None:
         self.uresp.close()  # at once: a client that went away must not keep the upstream busy
+        if self.guard is not None:
+            self.guard.close()  # continuation responses, if any
         self.gauge.dec()
         tally = self.tally
         tally.finish(status)

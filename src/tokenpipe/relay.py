@@ -23,7 +23,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -32,6 +32,9 @@ from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
+
+if TYPE_CHECKING:
+    from tokenpipe.tail import StreamGuard
 
 
 def chunk_has_content(obj: dict[str, Any]) -> bool:
@@ -193,10 +196,13 @@ def _mergeable(obj: dict[str, Any], choices: list[dict[str, Any]]) -> str:
 class EventParser:
     """Upstream socket reads -> pieces, recording usage and the end of the stream."""
 
-    __slots__ = ("decoder", "strip_usage", "tally")
+    __slots__ = ("decoder", "strip_usage", "tally", "texts")
 
     def __init__(self, tally: StreamTally, strip_usage: bool) -> None:
         self.tally = tally
+        #: Text of each content delta so far, when the stream may need a continuation
+        #: (tail.StreamGuard.resume); None: not recorded.
+        self.texts: list[str] | None = None
         #: The gateway asked the upstream for usage on the client's behalf; remove the
         #: usage-only chunk again so the client gets exactly what it asked for.
         self.strip_usage = strip_usage
@@ -243,11 +249,15 @@ class EventParser:
                     text = choices[0]["delta"]["content"] if key == "content" else choices[0][key]
                     if text:
                         out.append(Piece(raw, [text], obj, key))
+                        if self.texts is not None:
+                            self.texts.append(text)
                         continue
                 piece = Piece(raw)
                 if _choices_have_content(choices):
                     # Content that cannot merge (e.g. with a finish_reason): one token, as is.
                     piece.parts = [_choice_text(choices[0])]
+                    if self.texts is not None:
+                        self.texts.append(piece.parts[0])
                 piece.finish_reason = choices[0].get("finish_reason")
                 if piece.finish_reason:
                     tally.finished = True
@@ -385,30 +395,95 @@ metrics.STREAM_BUFFER_BYTES.set_function(lambda: Accumulator.total_bytes)
 
 
 async def read_upstream(
-    uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator
+    uresp: aiohttp.ClientResponse,
+    parser: EventParser,
+    acc: Accumulator,
+    guard: StreamGuard | None = None,
 ) -> None:
-    """The reader: upstream bytes -> pieces in the accumulator, until the stream ends."""
+    """The reader: upstream bytes -> pieces in the accumulator, until the stream ends.
+
+    With a `guard` (tail control): the bytes read while racing for the first token come
+    first; each read must arrive within the stall deadline; and a stream cut after content
+    may continue on another upstream, whose events feed the same accumulator (the client
+    sees one stream)."""
     tally = parser.tally
     error: GatewayError | None = None
+    if guard is not None and guard.recorded:
+        parser.texts = []
     try:
-        async for chunk in uresp.content.iter_any():
-            for piece in parser.feed(chunk):
-                acc.put(piece)
-            await acc.wait_below_low()
-        if not tally.done:
-            error = GatewayError(
-                502, "the upstream ended the stream early", code="upstream_stream_truncated"
-            )
-    except sse.SSEProtocolError as e:
-        error = GatewayError(502, str(e), code="upstream_protocol_error")
-    except TimeoutError:
-        error = GatewayError(504, "the upstream stopped sending", code="upstream_timeout")
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
-        error = GatewayError(502, "the upstream connection broke", code="upstream_stream_truncated")
+        while True:
+            error, uresp = await _read_one(uresp, parser, acc, guard)
+            if error is None or guard is None or tally.finished:
+                break
+            resumed = await guard.resume(error, parser, acc, uresp)
+            if resumed is None:
+                break
+            uresp = resumed
     finally:
         acc.close(error)
         if acc.paused_s:
             metrics.UPSTREAM_READ_PAUSED.inc(acc.paused_s)
+
+
+async def _read_one(
+    uresp: aiohttp.ClientResponse,
+    parser: EventParser,
+    acc: Accumulator,
+    guard: StreamGuard | None,
+) -> tuple[GatewayError | None, aiohttp.ClientResponse]:
+    """Reads one upstream response to its end; returns why it ended early, if it did, and
+    the response it read last (a hedge or retry may have taken over before content)."""
+    tally = parser.tally
+    try:
+        if guard is None:
+            async for chunk in uresp.content.iter_any():
+                for piece in parser.feed(chunk):
+                    acc.put(piece)
+                await acc.wait_below_low()
+        else:
+            if not guard.raced:
+                guard.raced = True
+                uresp = await guard.first_content(uresp, parser, acc)
+            await _read_guarded(uresp, parser, acc, guard)
+        if not tally.done:
+            return GatewayError(
+                502, "the upstream ended the stream early", code="upstream_stream_truncated"
+            ), uresp
+    except GatewayError as e:  # no first token from any attempt
+        return e, uresp
+    except sse.SSEProtocolError as e:
+        return GatewayError(502, str(e), code="upstream_protocol_error"), uresp
+    except TimeoutError:
+        return GatewayError(504, "the upstream stopped sending", code="upstream_timeout"), uresp
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+        return GatewayError(
+            502, "the upstream connection broke", code="upstream_stream_truncated"
+        ), uresp
+    return None, uresp
+
+
+async def _read_guarded(
+    uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator, guard: StreamGuard
+) -> None:
+    """Reads with the stall deadline on each gap between reads. Time spent waiting for a
+    slow client (backpressure) is not the upstream's gap and is not counted."""
+    content = uresp.content
+    last = time.perf_counter()
+    async with asyncio.timeout(None) as scope:
+        while True:
+            limit = guard.read_timeout()
+            if limit is not None:
+                scope.reschedule(asyncio.get_running_loop().time() + limit)
+            chunk = await content.readany()
+            if not chunk:
+                return
+            now = time.perf_counter()
+            guard.gap(now - last)
+            scope.reschedule(None)
+            for piece in parser.feed(chunk):
+                acc.put(piece)
+            await acc.wait_below_low()
+            last = time.perf_counter()
 
 
 Emit = Callable[[list[Piece]], Awaitable[None]]
@@ -456,12 +531,14 @@ async def relay_stream(
     emit: Emit,
     gate: FlowGate | None = None,
     gate_changed: asyncio.Event | None = None,
+    guard: StreamGuard | None = None,
 ) -> GatewayError | None:
-    """Runs reader and writer for one stream. The reader never outlives this call: when the
-    writer returns, fails (client gone) or is cancelled, the reader is cancelled and awaited.
+    """Runs reader and writer for one stream (`guard`: tail control, see read_upstream).
+    The reader never outlives this call: when the writer returns, fails (client gone) or is
+    cancelled, the reader is cancelled and awaited.
     (Not a TaskGroup: it would wrap the client's ConnectionResetError in an ExceptionGroup.)"""
     acc = Accumulator()
-    reader = asyncio.create_task(read_upstream(uresp, parser, acc))
+    reader = asyncio.create_task(read_upstream(uresp, parser, acc, guard))
     try:
         return await pump(acc, gate, emit, gate_changed)
     finally:

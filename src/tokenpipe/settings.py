@@ -195,6 +195,10 @@ class RetrySettings(Struct, forbid_unknown_fields=True, kw_only=True):
     #: Full-jitter exponential backoff before retrying the same upstream (seconds).
     backoff_base_seconds: PositiveFloat = 0.1
     backoff_cap_seconds: PositiveFloat = 2.0
+    #: A 429 from the model's only upstream is retried (after the limiter's pause) only when
+    #: it asks for at most this long; a longer pause goes back to the client with its
+    #: Retry-After. A 429 falls over to another upstream whatever it asks (seconds).
+    max_429_wait_seconds: Annotated[float, Meta(ge=0)] = 0.5
 
 
 class HedgeSettings(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -250,7 +250,11 @@ async def _relay_sse(
     tally = call.tally
     try:
         error = await relay_stream(
-            call.uresp, EventParser(tally, call.strip_usage), emit_sse(response, tally, drain), gate
+            call.uresp,
+            EventParser(tally, call.strip_usage),
+            emit_sse(response, tally, drain),
+            gate,
+            guard=call.guard,
         )
         if error is not None:
             error.message = _cut_message(tally, error.message)

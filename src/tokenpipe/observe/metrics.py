@@ -163,3 +163,33 @@ UPSTREAM_READ_PAUSED = Counter(
     "Seconds upstream reads were paused because a client's queue was over its high watermark.",
     registry=REGISTRY,
 )
+
+
+# -- tail-latency control (tail.py, control/deadline, budget, breaker) -----------------------
+RETRIES = Counter(
+    "tokenpipe_retries",
+    "Upstream requests sent again, by reason (connect, status_5xx, status_429, ttft_deadline, "
+    "midstream) and by what happened (retried, no_budget).",
+    ("reason", "outcome"),
+    registry=REGISTRY,
+)
+HEDGES = Counter(
+    "tokenpipe_hedges",
+    "Hedged first tokens, by outcome: won (the hedge answered first), lost (the first request "
+    "did), failed, no_budget (not sent: budget or capacity).",
+    ("outcome",),
+    registry=REGISTRY,
+)
+DEADLINE = Gauge(
+    "tokenpipe_deadline_seconds",
+    "Current adaptive deadline by kind (ttft, stall, hedge_delay), per upstream and model.",
+    ("kind", *LABELS),
+    registry=REGISTRY,
+)
+UPSTREAM_STATE = Gauge(
+    "tokenpipe_upstream_state",
+    "Circuit breaker state per upstream: 0 closed (in service), 1 half-open (probing), "
+    "2 open (out for the cool-down).",
+    ("upstream",),
+    registry=REGISTRY,
+)

@@ -1,0 +1,862 @@
+"""Tail-latency control around the upstream call: adaptive deadlines, retries within a budget,
+hedged first tokens, ordered fallbacks, circuit breaking and mid-stream recovery.
+
+`TailControl.open` replaces a plain send for every request:
+
+- the upstreams serving the model are ordered (`tail.fallbacks`, else config order) and an
+  upstream whose circuit is open is passed over;
+- a streamed attempt counts as answered at its first content token, not at its headers; it
+  must get there within the TTFT deadline (clamp(k x p99, floor, ceiling) of this upstream,
+  model and prompt size);
+- when no first token has arrived after the hedge delay (p95 of TTFT), a second attempt goes
+  out (to the next upstream, or the same one), within the hedge budget and only if the limiter
+  has capacity at once; the first to produce a content token wins and the other is closed;
+- a failed attempt (connect error, 5xx, 429, TTFT deadline) is retried with jittered backoff,
+  within `max_attempts` and the retry budget;
+- the winner's stream is handed to the relay with a `StreamGuard`: the bytes read while
+  racing, the stall deadline for gaps between reads, and `resume`, which continues a text
+  completion cut after content on a healthy upstream (prompt + text so far).
+
+Non-streamed requests keep the simple path: retries, fallbacks and the breaker apply to the
+response status, but there is no first token to race for, so no TTFT deadline and no hedge
+(a non-streamed answer arrives whole; its latency is the whole generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from tokenpipe import sse
+from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.control.breaker import CircuitBreaker, State
+from tokenpipe.control.budget import RatioBudget, backoff
+from tokenpipe.control.deadline import AdaptiveDeadline
+from tokenpipe.control.quantiles import RollingQuantiles
+from tokenpipe.control.traffic import Ticket
+from tokenpipe.errors import GatewayError
+from tokenpipe.observe import metrics
+from tokenpipe.relay import Accumulator, EventParser, chunk_has_content
+from tokenpipe.router import Router
+from tokenpipe.settings import DeadlineSettings, TailSettings
+from tokenpipe.upstream.http import HttpUpstream
+
+log = logging.getLogger("tokenpipe.tail")
+
+#: Bytes an attempt may read before its first content token (role chunks, comments); past
+#: it the attempt counts as answered and the relay takes over (bounds the prefix buffer).
+PREFIX_LIMIT = 64 * 1024
+#: Client header asking for a shorter whole-request deadline (seconds).
+DEADLINE_HEADER = "x-tokenpipe-deadline-seconds"
+#: Estimators kept; the least recently created is dropped past this (bounds memory when
+#: clients send many model names).
+MAX_ESTIMATORS = 4096
+
+
+def _rule(d: DeadlineSettings, min_samples: int) -> AdaptiveDeadline:
+    return AdaptiveDeadline(
+        k=d.k,
+        quantile=d.quantile,
+        floor=d.floor_seconds,
+        ceiling=d.ceiling_seconds,
+        initial=d.initial_seconds,
+        min_samples=min_samples,
+    )
+
+
+def prompt_class(tokens: int) -> int:
+    """Prompt size class for TTFT estimates: prefill time grows with the prompt, so a 30k-token
+    prompt is not judged by what 100-token prompts do. Classes: <1k, <4k, <16k, more."""
+    if tokens < 1024:
+        return 0
+    return min(3, 1 + int(math.log(tokens / 1024, 4)))
+
+
+class Attempt:
+    """One send to one upstream, up to its first content token (streams) or its headers."""
+
+    __slots__ = (
+        "error",
+        "fatal",
+        "first_at",
+        "hedge",
+        "prefix",
+        "reason",
+        "resp",
+        "sent_at",
+        "ticket",
+        "upstream",
+    )
+
+    def __init__(self, upstream: HttpUpstream, ticket: Ticket, hedge: bool = False) -> None:
+        self.upstream = upstream
+        self.ticket = ticket
+        self.hedge = hedge
+        self.resp: aiohttp.ClientResponse | None = None
+        self.prefix: list[bytes] = []  # bytes read while waiting for the first token
+        self.sent_at: float | None = None
+        self.first_at: float | None = None
+        self.error: GatewayError | None = None
+        self.reason = ""  # why it failed: connect, status_5xx, status_429, ttft_deadline
+        self.fatal: GatewayError | None = None  # no limiter capacity: not retried
+
+    @property
+    def ok(self) -> bool:
+        """Answered: a first token, a 200, or a status that retrying would not change."""
+        return self.error is None and self.fatal is None and not self.reason
+
+    def discard(self, status: int) -> None:
+        """This attempt will not be used: close its response and release its permit."""
+        if self.resp is not None:
+            self.resp.close()
+            self.resp = None
+        self.ticket.failed(status)
+
+
+class TailControl:
+    def __init__(self, settings: TailSettings, router: Router, clock: Clock = MONOTONIC) -> None:
+        self.settings = settings
+        self.router = router
+        self.clock = clock
+        self.ttft_rule = _rule(settings.ttft, settings.min_samples)
+        self.stall_rule = _rule(settings.stall, settings.min_samples)
+        r, h = settings.retries, settings.hedging
+        self.retry_budget = RatioBudget(r.budget_ratio, r.budget_reserve, clock=clock)
+        self.hedge_budget = RatioBudget(h.budget_ratio, h.budget_reserve, clock=clock)
+        b = settings.breaker
+        self.breakers = {
+            u.name: CircuitBreaker(b.failures, b.cooldown_seconds, clock) for u in router.upstreams
+        }
+        for name in self.breakers:
+            metrics.UPSTREAM_STATE.labels(name).set(0)
+        # (upstream, model, prompt class) -> TTFT; (upstream, model) -> gaps between reads.
+        self._ttft: dict[tuple[str, str, int], RollingQuantiles] = {}
+        self._gap: dict[tuple[str, str], RollingQuantiles] = {}
+
+    # -- estimates and deadlines ------------------------------------------------------------
+
+    def _est(self, table: dict[Any, RollingQuantiles], key: Any) -> RollingQuantiles:
+        est = table.get(key)
+        if est is None:
+            if len(table) >= MAX_ESTIMATORS:
+                del table[next(iter(table))]
+            est = table[key] = RollingQuantiles(self.settings.window_seconds, clock=self.clock)
+        return est
+
+    def ttft_estimate(self, upstream: str, model: str, cls: int) -> RollingQuantiles:
+        return self._est(self._ttft, (upstream, model, cls))
+
+    def gap_estimate(self, upstream: str, model: str) -> RollingQuantiles:
+        return self._est(self._gap, (upstream, model))
+
+    def ttft_deadline(self, upstream: str, model: str, cls: int) -> float | None:
+        if not self.settings.deadlines:
+            return None
+        value = self.ttft_rule.value(self.ttft_estimate(upstream, model, cls))
+        metrics.DEADLINE.labels("ttft", upstream, model).set(value)
+        return value
+
+    def stall_deadline(self, upstream: str, model: str) -> float | None:
+        if not self.settings.deadlines:
+            return None
+        value = self.stall_rule.value(self.gap_estimate(upstream, model))
+        metrics.DEADLINE.labels("stall", upstream, model).set(value)
+        return value
+
+    def hedge_delay(self, upstream: str, model: str, cls: int) -> float:
+        h = self.settings.hedging
+        est = self.ttft_estimate(upstream, model, cls)
+        q = est.quantile(h.quantile) if est.count >= self.settings.min_samples else None
+        value = h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)
+        metrics.DEADLINE.labels("hedge_delay", upstream, model).set(value)
+        return value
+
+    # -- upstream choice and health ----------------------------------------------------------
+
+    def _ordered(self, candidates: list[HttpUpstream], model: str) -> list[HttpUpstream]:
+        names = self.settings.fallbacks.get(model)
+        if not names:
+            return candidates
+        by_name = {u.name: u for u in candidates}
+        return [by_name[n] for n in names if n in by_name] or candidates
+
+    def _pick(self, order: list[HttpUpstream], avoid: str | None = None) -> HttpUpstream | None:
+        """The first upstream in order whose circuit lets a request through; `avoid` (the one
+        that just failed) goes last."""
+        if avoid is not None:
+            order = [u for u in order if u.name != avoid] + [u for u in order if u.name == avoid]
+        for u in order:
+            if not self.settings.breaker.enabled or self.breakers[u.name].allow():
+                self._state(u.name)
+                return u
+        return None
+
+    def _state(self, name: str) -> None:
+        metrics.UPSTREAM_STATE.labels(name).set(int(self.breakers[name].state))
+
+    def _healthy(self, name: str) -> None:
+        self.breakers[name].success()
+        self._state(name)
+
+    def _unhealthy(self, name: str) -> None:
+        b = self.breakers[name]
+        was = b.state
+        b.failure()
+        self._state(name)
+        if b.state is State.OPEN and was is not State.OPEN:
+            log.warning("upstream %s taken out for %.1f s (circuit open)", name, b.cooldown)
+
+    def upstream_state(self, name: str) -> State:
+        return self.breakers[name].state
+
+    # -- one attempt -------------------------------------------------------------------------
+
+    async def _attempt(
+        self,
+        a: Attempt,
+        path: str,
+        body: bytes,
+        request_id: str,
+        stream: bool,
+        deadline: float | None,
+    ) -> Attempt:
+        """Sends and waits for the first token (streams) or the headers. Never raises except
+        on cancellation (then the attempt closes what it opened)."""
+        try:
+            await a.ticket.acquire(a.upstream.name)
+        except GatewayError as e:  # no capacity within the queue deadline
+            a.fatal = e
+            return a
+        a.sent_at = self.clock.now()
+        try:
+            async with asyncio.timeout(deadline):
+                try:
+                    resp = await a.upstream.post(path, body, request_id)
+                except GatewayError as e:
+                    a.error, a.reason = e, "connect"
+                    a.ticket.failed(e.status)
+                    self._unhealthy(a.upstream.name)
+                    return a
+                a.resp = resp
+                await a.ticket.arrived(resp.status, resp.headers)
+                if resp.status == 429 or resp.status >= 500:
+                    a.reason = "status_429" if resp.status == 429 else "status_5xx"
+                    if resp.status != 429:  # a 429 is the limiter's business, not health
+                        self._unhealthy(a.upstream.name)
+                    return a
+                if resp.status == 200 and stream:
+                    await self._first_token(a, resp)
+                a.first_at = self.clock.now()
+        except TimeoutError:
+            a.error = GatewayError(
+                504,
+                f"Upstream '{a.upstream.name}' sent no first token within {deadline:.3g} s.",
+                code="upstream_timeout",
+            )
+            a.reason = "ttft_deadline"
+            a.discard(504)
+            self._unhealthy(a.upstream.name)
+            return a
+        except (aiohttp.ClientError, sse.SSEProtocolError):
+            a.error = GatewayError(
+                502, "the upstream connection broke", code="upstream_stream_truncated"
+            )
+            a.reason = "connect"
+            a.discard(502)
+            self._unhealthy(a.upstream.name)
+            return a
+        except asyncio.CancelledError:
+            a.discard(499)
+            raise
+        self._healthy(a.upstream.name)
+        return a
+
+    async def _first_token(self, a: Attempt, resp: aiohttp.ClientResponse) -> None:
+        """Reads until a content token, an error, a finish or [DONE]; what was read is kept in
+        `a.prefix` for the relay (at most PREFIX_LIMIT bytes plus one read)."""
+        decoder = sse.SSEDecoder()
+        size = 0
+        async for chunk in resp.content.iter_any():
+            a.prefix.append(chunk)
+            size += len(chunk)
+            for data, comment, _ in decoder.feed(chunk):
+                if comment:
+                    continue
+                if data == sse.DONE:
+                    return
+                try:
+                    obj = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    return  # the relay reports it
+                if not isinstance(obj, dict) or obj.get("error") or chunk_has_content(obj):
+                    return
+                for choice in obj.get("choices") or ():
+                    if choice.get("finish_reason"):
+                        return
+            if size > PREFIX_LIMIT:
+                return
+
+    # -- the request -------------------------------------------------------------------------
+
+    async def open(
+        self,
+        model: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        ticket: Ticket,
+        *,
+        stream: bool,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[HttpUpstream, aiohttp.ClientResponse, float, float | None]:
+        """Sends the request, retrying and falling back on connect errors, 5xx and 429; returns
+        (upstream, response with its headers, when it was sent, end of the whole-request
+        deadline or None; both on this clock). The response is any status a retry would not
+        change, or the last failure when no retry is left. A stream's first token is raced
+        for later, by the relay's reader (StreamGuard.first_content)."""
+        order = self._ordered(await self.router.candidates(model), model)
+        self.retry_budget.request()
+        self.hedge_budget.request()
+        end_at = self._end_at(headers)
+        cls = prompt_class(ticket.cost.prompt)
+        retries = self.settings.retries
+        attempt_no = 0
+        avoid: str | None = None
+        last: Attempt | None = None
+        while True:
+            upstream = self._pick(order, avoid)
+            if upstream is None:
+                if last is not None:
+                    break
+                raise GatewayError(
+                    503,
+                    "Every upstream for this model is out of service (circuit open).",
+                    code="upstream_circuit_open",
+                )
+            if last is not None:
+                last.discard(last.resp.status if last.resp is not None else 502)
+            attempt_no += 1
+            # The TTFT deadline covers the headers too (some upstreams send them with the
+            # first token); the relay's reader enforces the rest of it (StreamGuard).
+            deadline = self.ttft_deadline(upstream.name, model, cls) if stream else None
+            if end_at is not None:
+                left = max(0.0, end_at - self.clock.now())
+                deadline = left if deadline is None else min(deadline, left)
+            a = await self._attempt(
+                Attempt(upstream, ticket), path, body, request_id, False, deadline
+            )
+            if a.fatal is not None:
+                raise a.fatal
+            if a.ok:
+                assert a.resp is not None
+                return a.upstream, a.resp, a.sent_at or self.clock.now(), end_at
+            last = a
+            if (
+                a.reason == "status_429"
+                and len(order) == 1
+                and a.resp is not None
+                and _retry_after(a.resp.headers) > retries.max_429_wait_seconds
+            ):
+                break  # the only upstream asks for a long pause: the client decides
+            if not self._may_retry(attempt_no, end_at, last.reason):
+                break
+            avoid = last.upstream.name
+            if len(order) == 1:  # the same upstream again: back off first
+                await asyncio.sleep(
+                    backoff(attempt_no, retries.backoff_base_seconds, retries.backoff_cap_seconds)
+                )
+        # Out of attempts: the client gets the last failure as it was.
+        if last.resp is not None:
+            return last.upstream, last.resp, last.sent_at or self.clock.now(), end_at
+        assert last.error is not None
+        raise last.error
+
+    def _may_retry(self, attempt_no: int, end_at: float | None, reason: str) -> bool:
+        """Another attempt is allowed: attempts left, time left, and the retry budget."""
+        retries = self.settings.retries
+        if not retries.enabled or attempt_no >= retries.max_attempts:
+            return False
+        if end_at is not None and self.clock.now() >= end_at:
+            return False
+        if not self.retry_budget.try_spend():
+            metrics.RETRIES.labels(reason, "no_budget").inc()
+            return False
+        metrics.RETRIES.labels(reason, "retried").inc()
+        return True
+
+    def _end_at(self, headers: Mapping[str, str] | None) -> float | None:
+        total = self.settings.total_seconds
+        if headers is not None:
+            raw = headers.get(DEADLINE_HEADER)
+            if raw is not None:
+                try:
+                    asked = float(raw)
+                except ValueError:
+                    raise GatewayError(
+                        400,
+                        f"{DEADLINE_HEADER} must be a number of seconds.",
+                        param=DEADLINE_HEADER,
+                        code="invalid_request",
+                    ) from None
+                if asked > 0:
+                    total = asked if total is None else min(total, asked)
+        return None if total is None else self.clock.now() + total
+
+    def guard(
+        self,
+        upstream: HttpUpstream,
+        model: str,
+        path: str,
+        body: bytes,
+        obj: dict[str, Any],
+        request_id: str,
+        ticket: Ticket,
+        sent_at: float,
+        end_at: float | None,
+    ) -> StreamGuard:
+        return StreamGuard(
+            self, upstream, model, path, body, obj, request_id, ticket, sent_at, end_at
+        )
+
+
+def continuable(path: str, obj: dict[str, Any]) -> bool:
+    """Can a cut stream continue elsewhere? Text completions with one string prompt and one
+    choice: the continuation is the prompt + the text so far. (Chat would need the upstream
+    to accept a trailing assistant prefix, e.g. vLLM's continue_final_message, which an
+    OpenAI-compatible upstream cannot be assumed to do.)"""
+    return (
+        path == "/completions"
+        and isinstance(obj.get("prompt"), str)
+        and obj.get("n") in (None, 1)
+        and not obj.get("echo")
+        and obj.get("logprobs") is None
+        and obj.get("best_of") in (None, 1)
+        and obj.get("suffix") is None
+    )
+
+
+def _adopt(ticket: Ticket, side: Ticket) -> None:
+    """The client's answer now comes from `side`'s send (a hedge or a retry): the request's
+    own ticket takes over that permit, released when the request ends; `side` takes the
+    request's old one (released already, when its attempt was closed)."""
+    ticket.permit, side.permit = side.permit, ticket.permit
+    ticket.status = side.status
+
+
+class StreamGuard:
+    """Tail control inside the relay's reader for one stream.
+
+    Before the first content token (`first_content`): the first response is read straight
+    into the accumulator (so a role chunk reaches the client at once) while a hedge goes out
+    after the hedge delay and a retry after the TTFT deadline; whichever stream produces
+    content first is read on, the others are closed at once, and the winner's events before
+    its content (a second role chunk) are dropped. After it: the stall deadline on each read,
+    gap samples, and `resume` after a cut.
+    """
+
+    __slots__ = (
+        "_side",
+        "_tail",
+        "body",
+        "cls",
+        "continuations",
+        "end_at",
+        "model",
+        "obj",
+        "path",
+        "raced",
+        "recorded",
+        "request_id",
+        "responses",
+        "sent_at",
+        "stall",
+        "ticket",
+        "upstream",
+    )
+
+    def __init__(
+        self,
+        tail: TailControl,
+        upstream: HttpUpstream,
+        model: str,
+        path: str,
+        body: bytes,
+        obj: dict[str, Any],
+        request_id: str,
+        ticket: Ticket,
+        sent_at: float,
+        end_at: float | None,
+    ) -> None:
+        self._tail = tail
+        self.upstream = upstream
+        self.model = model
+        self.path = path
+        self.body = body
+        self.obj = obj
+        self.request_id = request_id
+        self.ticket = ticket
+        self.sent_at = sent_at
+        self.end_at = end_at
+        self.cls = prompt_class(ticket.cost.prompt)
+        self.stall = tail.stall_deadline(upstream.name, model)  # seconds, None: off
+        self.continuations = 0
+        self.raced = False  # first_content ran (the relay's reader sets it)
+        # Hedge, retry and continuation responses and their tickets, closed with the request
+        # (bounded: one hedge, retries.max_attempts, recovery.max_continuations).
+        self.responses: list[aiohttp.ClientResponse] = []
+        self._side: list[Ticket] = []
+        self.recorded = tail.settings.recovery.enabled and continuable(path, obj)
+
+    # -- before the first token --------------------------------------------------------------
+
+    async def first_content(
+        self, uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator
+    ) -> aiohttp.ClientResponse:
+        """Returns the response to read on, whose events up to its first content are in the
+        accumulator already. Raises GatewayError when no stream produced content in time and
+        no retry is left."""
+        tail = self._tail
+        hedging = tail.settings.hedging
+        now = tail.clock.now()
+        ttft = tail.ttft_deadline(self.upstream.name, self.model, self.cls)
+        ttft_end = None if ttft is None else self.sent_at + ttft
+        if self.end_at is not None:
+            ttft_end = self.end_at if ttft_end is None else min(ttft_end, self.end_at)
+        hedge_at = None
+        if hedging.enabled:
+            hedge_at = self.sent_at + tail.hedge_delay(self.upstream.name, self.model, self.cls)
+        primary: asyncio.Task[None] | None = asyncio.create_task(_until_content(uresp, parser, acc))
+        hedge: asyncio.Task[Attempt] | None = None
+        hedge_attempt: Attempt | None = None
+        try:
+            while True:
+                waiting: set[asyncio.Task[Any]] = {t for t in (primary, hedge) if t is not None}
+                if not waiting:
+                    return await self._retry(uresp, parser, acc, "ttft_deadline", _late(ttft))
+                now = tail.clock.now()
+                due = [t for t in (hedge_at, ttft_end) if t is not None]
+                timeout = max(0.0, min(due) - now) if due else None
+                done, _ = await asyncio.wait(
+                    waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                now = tail.clock.now()
+                if primary in done:
+                    primary_task, primary = primary, None
+                    if primary_task.exception() is None:
+                        # The first response produced content (or ended): it wins.
+                        tail.ttft_estimate(self.upstream.name, self.model, self.cls).add(
+                            now - self.sent_at
+                        )
+                        tail._healthy(self.upstream.name)
+                        if hedge is not None:
+                            metrics.HEDGES.labels("lost").inc()
+                        return uresp
+                    if isinstance(primary_task.exception(), sse.SSEProtocolError):
+                        raise primary_task.exception()  # type: ignore[misc]
+                    tail._unhealthy(self.upstream.name)  # broke before any content
+                    self.ticket.failed(502)
+                    if hedge is None:
+                        return await self._retry(uresp, parser, acc, "connect", _broke())
+                if hedge is not None and hedge in done:
+                    a = hedge.result()
+                    hedge = None
+                    if a.ok and a.resp is not None and a.resp.status == 200:
+                        metrics.HEDGES.labels("won").inc()
+                        if primary is not None:
+                            await _cancel(primary)
+                            primary = None
+                            # Censored sample: the first response's TTFT is longer than
+                            # the hedge delay; recorded at it. Leaving it out would hide
+                            # stalls and keep the p95 so low that ordinary requests are
+                            # hedged; the full wait would pull the p95 up to the stall.
+                            if hedge_attempt is not None and hedge_attempt.sent_at is not None:
+                                tail.ttft_estimate(self.upstream.name, self.model, self.cls).add(
+                                    hedge_attempt.sent_at - self.sent_at
+                                )
+                            self.ticket.failed(499)
+                        return self._switch(a, uresp, parser, acc)
+                    metrics.HEDGES.labels("no_budget" if a.fatal else "failed").inc()
+                    if a.resp is not None or a.fatal is None:
+                        a.discard(a.resp.status if a.resp is not None else 502)
+                    if primary is None:
+                        return await self._retry(
+                            uresp, parser, acc, a.reason or "connect", a.error or _broke()
+                        )
+                    continue
+                if done:
+                    continue
+                if ttft_end is not None and now >= ttft_end:
+                    # No content from anyone in time: close all, then retry.
+                    if primary is not None:
+                        await _cancel(primary)
+                        primary = None
+                        self.ticket.failed(504)
+                    if hedge is not None:
+                        await _cancel(hedge)
+                        hedge = None
+                    tail._unhealthy(self.upstream.name)
+                    return await self._retry(uresp, parser, acc, "ttft_deadline", _late(ttft))
+                if hedge_at is not None and now >= hedge_at:
+                    hedge_at = None
+                    hedge_attempt = self._hedge()
+                    if hedge_attempt is not None:
+                        hedge = asyncio.create_task(
+                            tail._attempt(
+                                hedge_attempt,
+                                self.path,
+                                self.body,
+                                self.request_id,
+                                True,
+                                None if ttft_end is None else max(0.001, ttft_end - now),
+                            )
+                        )
+        finally:
+            # Whatever happens (our own cancellation included), no attempt outlives this.
+            for t in (primary, hedge):
+                if t is not None:
+                    await _cancel(t)
+
+    def _hedge(self) -> Attempt | None:
+        """A second attempt for a request with no first token yet, if the budget allows."""
+        tail = self._tail
+        if not tail.hedge_budget.try_spend():
+            metrics.HEDGES.labels("no_budget").inc()
+            return None
+        order = tail._ordered([u for u in tail.router.upstreams], self.model)
+        target = tail._pick(order, avoid=self.upstream.name)
+        if target is None:
+            metrics.HEDGES.labels("no_budget").inc()
+            return None
+        side = self._side_ticket()
+        side.deadline = tail.clock.now() + tail.settings.hedging.max_queue_seconds
+        return Attempt(target, side, hedge=True)
+
+    def _side_ticket(self) -> Ticket:
+        """A ticket for an extra send: charged to the upstream's limiter (RPM/TPM), not again
+        to the client's key quota."""
+        t = self.ticket
+        side = Ticket(t.traffic, t.key, t.cost, None)
+        self._side.append(side)
+        return side
+
+    async def _retry(
+        self,
+        old: aiohttp.ClientResponse,
+        parser: EventParser,
+        acc: Accumulator,
+        reason: str,
+        error: GatewayError,
+    ) -> aiohttp.ClientResponse:
+        """Sends again (next upstream first) until a stream produces content, within the
+        attempts and the retry budget; raises the last error when none is left."""
+        tail = self._tail
+        attempt_no = 1
+        while tail._may_retry(attempt_no, self.end_at, reason):
+            attempt_no += 1
+            order = tail._ordered(await tail.router.candidates(self.model), self.model)
+            target = tail._pick(order, avoid=self.upstream.name)
+            if target is None:
+                break
+            if len(order) == 1:
+                r = tail.settings.retries
+                await asyncio.sleep(
+                    backoff(attempt_no - 1, r.backoff_base_seconds, r.backoff_cap_seconds)
+                )
+            deadline = tail.ttft_deadline(target.name, self.model, self.cls)
+            if self.end_at is not None:
+                left = max(0.001, self.end_at - tail.clock.now())
+                deadline = left if deadline is None else min(deadline, left)
+            a = await tail._attempt(
+                Attempt(target, self._side_ticket()),
+                self.path,
+                self.body,
+                self.request_id,
+                True,
+                deadline,
+            )
+            if a.ok and a.resp is not None and a.resp.status == 200:
+                return self._switch(a, old, parser, acc)
+            if a.fatal is not None:
+                raise a.fatal
+            if a.error is not None:
+                error = a.error
+            elif a.resp is not None:
+                error = GatewayError(
+                    502 if a.resp.status < 500 else a.resp.status,
+                    f"Upstream '{target.name}' answered with status {a.resp.status}.",
+                    code="upstream_error",
+                )
+            reason = a.reason or "connect"
+            if a.resp is not None:
+                a.discard(a.resp.status)
+        raise error
+
+    def _switch(
+        self,
+        a: Attempt,
+        old: aiohttp.ClientResponse,
+        parser: EventParser,
+        acc: Accumulator,
+    ) -> aiohttp.ClientResponse:
+        """Reads on from attempt `a`: its events up to its first content were read into
+        `a.prefix`; those before the content are dropped (the client has its role chunk)."""
+        assert a.resp is not None
+        old.close()
+        _adopt(self.ticket, a.ticket)
+        if a.sent_at is not None and a.first_at is not None:
+            self._tail.ttft_estimate(a.upstream.name, self.model, self.cls).add(
+                a.first_at - a.sent_at
+            )
+        self.upstream = a.upstream
+        self.sent_at = a.sent_at or self.sent_at
+        self.responses.append(a.resp)
+        parser.decoder = sse.SSEDecoder()  # a partial event of the old stream is dropped
+        content = False
+        for chunk in a.prefix:
+            for piece in parser.feed(chunk):
+                if (
+                    not content
+                    and not piece.parts
+                    and piece.error is None
+                    and piece.finish_reason is None
+                    and piece.raw != sse.DONE_EVENT
+                ):
+                    continue
+                content = True
+                acc.put(piece)
+        return a.resp
+
+    # -- after it ----------------------------------------------------------------------------
+
+    def read_timeout(self) -> float | None:
+        """Seconds the next read may take: the stall deadline, or less near the end of the
+        whole-request deadline."""
+        if self.end_at is None:
+            return self.stall
+        left = max(0.0, self.end_at - self._tail.clock.now())
+        return left if self.stall is None else min(self.stall, left)
+
+    def gap(self, seconds: float) -> None:
+        self._tail.gap_estimate(self.upstream.name, self.model).add(seconds)
+
+    async def resume(
+        self,
+        error: GatewayError,
+        parser: EventParser,
+        acc: Accumulator,
+        old: aiohttp.ClientResponse,
+    ) -> aiohttp.ClientResponse | None:
+        """Continues a cut text completion on a healthy upstream; None when it cannot (the
+        relay then ends the stream with an error event that counts what was delivered)."""
+        tail = self._tail
+        tail._unhealthy(self.upstream.name)
+        texts = parser.texts
+        rec = tail.settings.recovery
+        if not self.recorded or not texts:
+            return None
+        while self.continuations < rec.max_continuations:
+            if self.end_at is not None and tail.clock.now() >= self.end_at:
+                return None
+            if not tail.retry_budget.try_spend():
+                metrics.RETRIES.labels("midstream", "no_budget").inc()
+                return None
+            self.continuations += 1
+            order = tail._ordered(await tail.router.candidates(self.model), self.model)
+            target = tail._pick(order, avoid=self.upstream.name)
+            if target is None:
+                return None
+            deadline = tail.ttft_deadline(target.name, self.model, self.cls)
+            a = await tail._attempt(
+                Attempt(target, self._side_ticket()),
+                self.path,
+                self._continuation(texts),
+                self.request_id,
+                True,
+                deadline,
+            )
+            if a.ok and a.resp is not None and a.resp.status == 200:
+                metrics.RETRIES.labels("midstream", "retried").inc()
+                log.info(
+                    "request %s: stream cut after %d deltas (%s), continued on %s",
+                    self.request_id,
+                    len(texts),
+                    error.message,
+                    target.name,
+                )
+                self.ticket.failed(error.status)
+                return self._switch(a, old, parser, acc)
+            if a.resp is not None:
+                a.discard(a.resp.status)
+        return None
+
+    def _continuation(self, texts: list[str]) -> bytes:
+        obj = dict(self.obj)
+        obj["prompt"] = self.obj["prompt"] + "".join(texts)
+        # One delta is one token for the servers we continue on (vLLM, llama.cpp, TGI and the
+        # sim stream token by token); the remainder keeps the total length the client set.
+        for key in ("max_tokens", "max_completion_tokens"):
+            if isinstance(obj.get(key), int):
+                obj[key] = max(1, obj[key] - len(texts))
+        return orjson.dumps(obj)
+
+    def close(self) -> None:
+        for r in self.responses:
+            r.close()
+        for t in self._side:
+            t.finish()
+
+
+async def _until_content(
+    uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator
+) -> None:
+    """Reads the first response into the accumulator until content, an error, a finish or
+    the end (the relay's normal reading takes over from there)."""
+    async for chunk in uresp.content.iter_any():
+        done = False
+        for piece in parser.feed(chunk):
+            acc.put(piece)
+            if piece.parts or piece.error is not None or piece.finish_reason is not None:
+                done = True
+        if done or parser.tally.done:
+            return
+        await acc.wait_below_low()
+
+
+def _retry_after(headers: Mapping[str, str]) -> float:
+    """Seconds a 429 asks us to wait (retry-after-ms or retry-after; 0 when absent)."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        raw = headers.get(name)
+        if raw is not None:
+            try:
+                return float(raw) * scale
+            except ValueError:
+                return 0.0
+    return 0.0
+
+
+def _late(ttft: float | None) -> GatewayError:
+    return GatewayError(
+        504,
+        f"no first token from the upstream within {ttft or 0:.3g} s",
+        code="upstream_timeout",
+    )
+
+
+def _broke() -> GatewayError:
+    return GatewayError(
+        502, "the upstream connection broke before the first token", code="upstream_unavailable"
+    )
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass  # its outcome no longer matters (it closed what it opened)
