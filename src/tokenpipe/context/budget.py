@@ -22,7 +22,6 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from tokenpipe.context import plan, summary, tokens
 from tokenpipe.context.gguf_meta import GGUFError, read_metadata
@@ -400,7 +399,7 @@ class ContextBudget:
                 window
                 - max_tokens
                 - self.settings.margin_tokens
-                - counter.count(INSTRUCTIONS_AND_SLACK)
+                - counter.count(summary.FRAME)
                 - counter.count(previous or "")
             )
             start = len(fresh)
@@ -443,10 +442,6 @@ class ContextBudget:
         return text.strip()
 
 
-#: The instructions plus the transcript's fixed parts, as counted against the window.
-INSTRUCTIONS_AND_SLACK = summary.INSTRUCTIONS + " (summary of what came before) " * 2
-
-
 def _too_long(window: int, prompt: int) -> GatewayError:
     return GatewayError(
         400,
@@ -463,6 +458,3 @@ def _count(action: str, saved: int) -> None:
     metrics.CONTEXT_COMPRESSED.labels(action).inc()
     if saved:
         metrics.CONTEXT_TOKENS_SAVED.labels(action).inc(saved)
-
-
-CONTEXT: web.AppKey[ContextBudget] = web.AppKey("context", ContextBudget)

@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from tokenpipe.context.tokens import message_text
+
 SUMMARY_PREFIX = "Summary of the earlier conversation:\n"
 
 INSTRUCTIONS = (
@@ -23,6 +25,9 @@ INSTRUCTIONS = (
     "every fact, name, number, decision and open question a reader needs to continue it. "
     "Write only the summary."
 )
+#: What the summarising call adds around the messages, as counted against its window: the
+#: instructions, the label of the previous summary, and slack for role labels.
+FRAME = INSTRUCTIONS + " (summary of what came before) " * 2
 
 
 def prefix_hashes(messages: Sequence[dict[str, Any]]) -> list[bytes]:
@@ -36,8 +41,6 @@ def prefix_hashes(messages: Sequence[dict[str, Any]]) -> list[bytes]:
 
 
 def transcript(previous: str | None, messages: Sequence[dict[str, Any]]) -> str:
-    from tokenpipe.context.tokens import message_text
-
     lines = []
     if previous:
         lines.append(f"(summary of what came before) {previous}")
