@@ -25,6 +25,7 @@ from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import cors, schema
 from tokenpipe.observe import logs, metrics
+from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Call, Gateway
 from tokenpipe.relay import EventParser, StreamTally, emit_sse, relay_stream
 from tokenpipe.upstream.http import read_bounded
@@ -326,10 +327,14 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/openapi.json", openapi)
     cors.install(app, gateway.settings.server.cors_origins)
 
+    sampler = RuntimeSampler()
+
     async def start(app: web.Application) -> None:
         await gateway.start()
+        sampler.start()
 
     async def close(app: web.Application) -> None:
+        await sampler.stop()
         await gateway.close()
 
     app.on_startup.append(start)
