@@ -103,8 +103,12 @@ async def test_upstream_killed_mid_stream_cuts_that_stream_cleanly_and_spares_ot
     _intact(await neighbour, 200)
     # Now `a` refuses connections: a clean 502 at once, and `b` still serves.
     refused = await post_stream(url, _chat("a-model", 5))
-    assert refused.status == 502
-    assert orjson.loads(refused.body)["error"]["code"] == "upstream_unavailable"
+    # 502 upstream_unavailable, or 503 once the circuit breaker has opened for `a`.
+    assert refused.status in (502, 503), refused.status
+    assert orjson.loads(refused.body)["error"]["code"] in (
+        "upstream_unavailable",
+        "upstream_circuit_open",
+    )
     _intact(await post_stream(url, _chat("b-model", 5)), 5)
     await _until(lambda: _zero_inflight(g), "no request left in flight")
 
@@ -139,14 +143,16 @@ async def test_upstream_hanging_after_headers_is_cut_at_its_read_timeout(
         post_stream(url, _chat("b-model", 100, "[[sim itl_ms=10]]")),
     )
     took = time.monotonic() - t0
-    # `a` has read_timeout_seconds: 1. What arrives is an OpenAI-shaped error: a 504 before
-    # the first byte, or an SSE error event once streaming has started.
+    # Cut by whichever deadline comes first (`a`'s read_timeout_seconds: 1, or the first-token
+    # deadline of the tail-latency control). What arrives is OpenAI-shaped: a 5xx before the
+    # first byte, or an SSE error event and [DONE] once streaming has started.
     if hung.status == 200:
         assert hung.done and len(hung.errors) == 1
+        assert hung.errors[0]["code"] in ("upstream_timeout", "upstream_stream_truncated")
     else:
-        assert hung.status in (502, 504), hung.status
+        assert hung.status in (502, 503, 504), hung.status
         assert "error" in orjson.loads(hung.body)
-    assert took < 10, took
+    assert took < 15, took
     _intact(good, 100)
 
 
