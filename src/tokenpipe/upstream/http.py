@@ -6,7 +6,6 @@ header, URL or key is forwarded (except the request id, which the gateway itself
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -74,7 +73,7 @@ class HttpUpstream:
             return await self.session.post(
                 self.base_url + path, data=body, headers=headers, allow_redirects=False
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise GatewayError(
                 504, f"Upstream '{self.name}' did not answer in time.", code="upstream_timeout"
             ) from None
@@ -116,13 +115,7 @@ class HttpUpstream:
                 data = orjson.loads(await resp.read())
             self._models = [m["id"] for m in data["data"]]
             self._models_at = now
-        except (
-            aiohttp.ClientError,
-            asyncio.TimeoutError,
-            orjson.JSONDecodeError,
-            KeyError,
-            TypeError,
-        ):
+        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, KeyError, TypeError):
             log.warning("upstream %s: could not list its models", self.name)
             return None
         return self._models
