@@ -58,9 +58,8 @@ def gateway(
             "min_output_tokens": 8,
             "summary_max_tokens": 16,
             "summary_deadline_seconds": 120,
-            # The window the engine runs with (--ctx); the GGUF says 32768, what it was trained
-            # for. Tokens are counted with the model's own vocabulary ("auto" for this model).
-            "models": [{"name": MODEL, "window": CTX}],
+            # No window configured: the gateway reads the one the engine runs with (--ctx) from
+            # its /v1/models (`max_model_len`), and counts with the model's own vocabulary.
         },
     }
     path = tmp_path_factory.mktemp("context-local") / "config.yaml"
