@@ -1,8 +1,8 @@
 """Where a model's context window comes from, first match wins.
 
 1. the config (`context.models[].window`);
-2. the upstream's own `/v1/models` entry, which vLLM (`max_model_len`), llama.cpp's server
-   (`meta.n_ctx_train`) and tokenpipe local (`context_window`) fill in: the window the server
+2. the upstream's own `/v1/models` entry, which vLLM and tokenpipe local (`max_model_len`) and
+   llama.cpp's server (`meta.n_ctx_train`) fill in: the window the server
    actually runs with, which can be smaller than the one the model was trained for;
 3. the config's GGUF file (`{arch}.context_length`, the trained window);
 4. a small table of published windows for OpenAI models.
