@@ -430,3 +430,27 @@ def test_summary_longer_than_asked_for_falls_back_to_truncation(gateway: procs.S
     assert r.status_code == 200, r.text
     report = r.headers["x-tokenpipe-context"]
     assert report.startswith("policy=truncate;") and report.endswith("summary=too-long")
+
+
+def test_text_completion_max_tokens_is_lowered_or_rejected(
+    gateway: procs.Service, sims: tuple[procs.Service, procs.Service]
+) -> None:
+    # "summarized" counts with tiktoken: one cl100k token per word here, as the sim counts.
+    prompt = " ".join(["river", "stone", "apple"] * 100)
+    r = httpx.post(
+        gateway.url + "/v1/completions",
+        timeout=30,
+        json={"model": "summarized", "prompt": prompt, "max_tokens": 500},
+    )
+    assert r.status_code == 200, r.text
+    lowered = int(r.headers["x-tokenpipe-max-tokens"])
+    assert lowered == WINDOW - 8 - 300  # window - margin_tokens - the exact prompt count
+    assert r.json()["usage"]["completion_tokens"] == lowered
+    assert r.json()["usage"]["prompt_tokens"] == 300
+    r = httpx.post(
+        gateway.url + "/v1/completions",
+        timeout=30,
+        json={"model": "summarized", "prompt": prompt * 3, "max_tokens": 5},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
