@@ -454,3 +454,25 @@ def test_text_completion_max_tokens_is_lowered_or_rejected(
     )
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_tool_definitions_count_against_the_window(gateway: procs.Service) -> None:
+    """Tools are rendered into the prompt: ~400 tokens of definitions leave no room for 200
+    more output tokens in a 600-token window, though the messages alone would."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": "river stone apple " * 20,
+                "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+            },
+        }
+        for i in range(5)
+    ]
+    msgs = [{"role": "user", "content": "river stone apple " * 30}]
+    r, _ = chat(gateway, "summarized", msgs, max_tokens=200)
+    assert "x-tokenpipe-max-tokens" not in r.headers  # without tools it fits
+    r, _ = chat(gateway, "summarized", msgs, max_tokens=200, tools=tools)
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-tokenpipe-max-tokens"]) < 200

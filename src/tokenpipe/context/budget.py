@@ -218,16 +218,21 @@ class ContextBudget:
         messages: list[dict[str, Any]] = obj["messages"]
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens or req.max_tokens
+        # Tool definitions are rendered into the prompt too; their JSON approximates them.
+        tools = obj.get("tools") or obj.get("functions")
+        tools_text = orjson.dumps(tools).decode() if tools else ""
         if counter.exact:
             # Fast path: most requests are far below the window; bytes bound the tokens.
             want = max_tokens if max_tokens is not None else self.settings.reserve_output_tokens
-            if tokens.upper_bound(counter, messages) + want + self.settings.margin_tokens <= window:
+            upper = tokens.upper_bound(counter, messages) + len(tools_text.encode())
+            if upper + want + self.settings.margin_tokens <= window:
                 return UNCHANGED
         costs = tokens.count_messages(counter, messages)
-        reply = counter.chat.reply
-        chars = sum(len(tokens.message_text(m)) for m in messages)
+        # Tokens per request outside the messages: the reply's opening and the tools.
+        reply = counter.chat.reply + (counter.count(tools_text) if tools_text else 0)
+        chars = sum(len(tokens.message_text(m)) for m in messages) + len(tools_text)
         calibrate = self._calibration(
-            counter, chars, counter.chat.per_message * len(messages) + reply
+            counter, chars, counter.chat.per_message * len(messages) + counter.chat.reply
         )
         prompt = sum(costs) + reply
         limits = self._limits(window, counter, prompt, policy)
@@ -286,8 +291,8 @@ class ContextBudget:
         # The upstream will report the tokens of what is sent now, not of what arrived.
         calibrate = self._calibration(
             counter,
-            sum(len(tokens.message_text(m)) for m in new_messages),
-            counter.chat.per_message * len(new_messages) + reply,
+            sum(len(tokens.message_text(m)) for m in new_messages) + len(tools_text),
+            counter.chat.per_message * len(new_messages) + counter.chat.reply,
         )
         if room < want:
             obj[field] = room
