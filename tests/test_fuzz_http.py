@@ -137,7 +137,9 @@ near_valid = st.fixed_dictionaries(
         "top_p": json_values,
     },
 ).map(lambda changes: {**_VALID, **changes})
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None
+)
 
 
 @FUZZ

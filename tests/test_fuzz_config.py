@@ -1,0 +1,74 @@
+"""Hostile config files: whatever YAML an operator (or a template gone wrong) writes, loading
+it either gives Settings or a ConfigError with a message; never another exception, which
+`serve` and `config check` would show as a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenpipe import settings as settings_mod
+
+SECTIONS = ["server", "auth", "upstreams", "limits", "keys", "context"]
+KEYS = [
+    "host",
+    "port",
+    "grpc_port",
+    "max_body_bytes",
+    "drain_seconds",
+    "read_timeout_seconds",
+    "cors_origins",
+    "access_log",
+    "api_keys",
+    "name",
+    "url",
+    "sha256",
+    "models",
+    "backend",
+    "redis",
+    "rpm",
+    "tpm",
+    "policy",
+    "window",
+    "unknown",
+]
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=30)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner, max_size=4)
+    ),
+    max_leaves=15,
+)
+documents = st.dictionaries(st.sampled_from(SECTIONS + KEYS), values, max_size=5)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(doc=documents)
+def test_any_yaml_document_loads_or_fails_with_a_config_error(tmp_path: Path, doc: dict) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    try:
+        settings_mod.load(path)
+    except settings_mod.ConfigError as e:
+        assert str(e).startswith(f"{path}: ")
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(raw=st.binary(max_size=300))
+def test_any_bytes_load_or_fail_with_a_config_error(tmp_path: Path, raw: bytes) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_bytes(raw)
+    try:
+        settings_mod.load(path)
+    except settings_mod.ConfigError as e:
+        assert str(e).startswith(f"{path}: ")
