@@ -177,6 +177,10 @@ async def test_sigterm_with_100_open_streams_finishes_every_one(
         await _until(lambda: _inflight_at_least(g, n), f"{n} open streams", timeout=30)
         t0 = time.monotonic()
         g.signal(signal.SIGTERM)
+        # The listener closes at once (a load balancer sends new clients elsewhere) while the
+        # open streams go on.
+        await _until(lambda: _refused(g.port), "new connections refused", timeout=10)
+        assert not any(s.done() for s in streams)
         results = await asyncio.gather(*streams)
         drained = time.monotonic() - t0
         for r in results:
@@ -185,6 +189,15 @@ async def test_sigterm_with_100_open_streams_finishes_every_one(
         assert drained < 20
     finally:
         g.stop()
+
+
+async def _refused(port: int) -> bool:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    return False
 
 
 async def _inflight_at_least(g: procs.Service, n: int) -> bool:
