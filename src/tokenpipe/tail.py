@@ -138,6 +138,8 @@ class TailControl:
         # (upstream, model, prompt class) -> TTFT; (upstream, model) -> gaps between reads.
         self._ttft: dict[tuple[str, str, int], RollingQuantiles] = {}
         self._gap: dict[tuple[str, str], RollingQuantiles] = {}
+        # (upstream, model, prompt class) -> first tokens that never came (only counted).
+        self._censored: dict[tuple[str, str, int], RollingQuantiles] = {}
 
     # -- estimates and deadlines ------------------------------------------------------------
 
@@ -169,10 +171,25 @@ class TailControl:
         metrics.DEADLINE.labels("stall", upstream, model).set(value)
         return value
 
+    def censored(self, upstream: str, model: str, cls: int) -> None:
+        """A first token that never came (the attempt lost to a hedge or hit the deadline):
+        its TTFT is only known to be longer than everything seen."""
+        self._est(self._censored, (upstream, model, cls)).add(1.0)
+
     def hedge_delay(self, upstream: str, model: str, cls: int) -> float:
+        """The hedging quantile of TTFT, stalls included (Dean and Barroso: hedge after the
+        95th percentile of expected latency). Stalls cut short have no TTFT, only a lower
+        bound, so they count as above every TTFT seen: with c censored among n requests the
+        q-quantile of all is the q x n / (n - c) quantile of the completed ones. Leaving them
+        out would put the delay inside ordinary latency and hedge ~5% of ordinary requests;
+        recording their wait as a TTFT would drag the delay up to the stalls themselves."""
         h = self.settings.hedging
         est = self.ttft_estimate(upstream, model, cls)
-        q = est.quantile(h.quantile) if est.count >= self.settings.min_samples else None
+        q = None
+        n = est.count
+        if n >= self.settings.min_samples:
+            cut = self._est(self._censored, (upstream, model, cls)).count
+            q = est.quantile(min(1.0, h.quantile * (n + cut) / n))
         value = h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)
         metrics.DEADLINE.labels("hedge_delay", upstream, model).set(value)
         return value
@@ -188,14 +205,17 @@ class TailControl:
 
     def _pick(self, order: list[HttpUpstream], avoid: str | None = None) -> HttpUpstream | None:
         """The first upstream in order whose circuit lets a request through; `avoid` (the one
-        that just failed) goes last."""
+        that just failed) goes last. When every circuit is open the first is used anyway: the
+        breaker reroutes, it never turns away a request no other upstream could serve (one
+        client's failing requests must not take a single-upstream gateway down; the retry
+        budget keeps the load on a failing upstream bounded)."""
         if avoid is not None:
             order = [u for u in order if u.name != avoid] + [u for u in order if u.name == avoid]
         for u in order:
             if not self.settings.breaker.enabled or self.breakers[u.name].allow():
                 self._state(u.name)
                 return u
-        return None
+        return order[0] if order else None
 
     def _state(self, name: str) -> None:
         metrics.UPSTREAM_STATE.labels(name).set(int(self.breakers[name].state))
@@ -331,14 +351,8 @@ class TailControl:
         last: Attempt | None = None
         while True:
             upstream = self._pick(order, avoid)
-            if upstream is None:
-                if last is not None:
-                    break
-                raise GatewayError(
-                    503,
-                    "Every upstream for this model is out of service (circuit open).",
-                    code="upstream_circuit_open",
-                )
+            if upstream is None:  # no candidates (router.candidates raises 404 first)
+                break
             if last is not None:
                 last.discard(last.resp.status if last.resp is not None else 502)
             attempt_no += 1
@@ -372,6 +386,7 @@ class TailControl:
                     backoff(attempt_no, retries.backoff_base_seconds, retries.backoff_cap_seconds)
                 )
         # Out of attempts: the client gets the last failure as it was.
+        assert last is not None
         if last.resp is not None:
             return last.upstream, last.resp, last.sent_at or self.clock.now(), end_at
         assert last.error is not None
@@ -533,7 +548,6 @@ class StreamGuard:
             hedge_at = self.sent_at + tail.hedge_delay(self.upstream.name, self.model, self.cls)
         primary: asyncio.Task[None] | None = asyncio.create_task(_until_content(uresp, parser, acc))
         hedge: asyncio.Task[Attempt] | None = None
-        hedge_attempt: Attempt | None = None
         try:
             while True:
                 waiting: set[asyncio.Task[Any]] = {t for t in (primary, hedge) if t is not None}
@@ -571,14 +585,8 @@ class StreamGuard:
                         if primary is not None:
                             await _cancel(primary)
                             primary = None
-                            # Censored sample: the first response's TTFT is longer than
-                            # the hedge delay; recorded at it. Leaving it out would hide
-                            # stalls and keep the p95 so low that ordinary requests are
-                            # hedged; the full wait would pull the p95 up to the stall.
-                            if hedge_attempt is not None and hedge_attempt.sent_at is not None:
-                                tail.ttft_estimate(self.upstream.name, self.model, self.cls).add(
-                                    hedge_attempt.sent_at - self.sent_at
-                                )
+                            # Censored: its TTFT is longer than we saw (see hedge_delay).
+                            tail.censored(self.upstream.name, self.model, self.cls)
                             self.ticket.failed(499)
                         return self._switch(a, uresp, parser, acc)
                     metrics.HEDGES.labels("no_budget" if a.fatal else "failed").inc()
@@ -597,6 +605,7 @@ class StreamGuard:
                         await _cancel(primary)
                         primary = None
                         self.ticket.failed(504)
+                        tail.censored(self.upstream.name, self.model, self.cls)
                     if hedge is not None:
                         await _cancel(hedge)
                         hedge = None
@@ -604,11 +613,11 @@ class StreamGuard:
                     return await self._retry(uresp, parser, acc, "ttft_deadline", _late(ttft))
                 if hedge_at is not None and now >= hedge_at:
                     hedge_at = None
-                    hedge_attempt = self._hedge()
-                    if hedge_attempt is not None:
+                    attempt = self._hedge()
+                    if attempt is not None:
                         hedge = asyncio.create_task(
                             tail._attempt(
-                                hedge_attempt,
+                                attempt,
                                 self.path,
                                 self.body,
                                 self.request_id,

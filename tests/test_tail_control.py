@@ -1,0 +1,196 @@
+"""Tail-latency control algorithms, driven by a ManualClock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenpipe.clock import ManualClock
+from tokenpipe.control.breaker import CircuitBreaker, State
+from tokenpipe.control.budget import RatioBudget, backoff
+from tokenpipe.control.deadline import AdaptiveDeadline
+from tokenpipe.control.quantiles import RollingQuantiles
+from tokenpipe.tail import continuable, prompt_class
+
+
+def test_rolling_quantiles_are_within_one_percent_of_the_exact_ones() -> None:
+    clock = ManualClock()
+    est = RollingQuantiles(60.0, clock=clock)
+    rng = random.Random(1)
+    values = [rng.lognormvariate(-3, 0.5) for _ in range(5000)]
+    for v in values:
+        est.add(v)
+    clock.advance(1)  # past the cache refresh
+    exact = sorted(values)
+    for q in (0.5, 0.95, 0.99):
+        want = exact[int(q * (len(exact) - 1))]
+        got = est.quantile(q)
+        assert got is not None and abs(got - want) / want < 0.02, (q, got, want)
+
+
+def test_rolling_quantiles_forget_values_older_than_the_window() -> None:
+    clock = ManualClock()
+    est = RollingQuantiles(60.0, slices=6, clock=clock)
+    for _ in range(100):
+        est.add(5.0)  # a slow minute
+    clock.advance(61)
+    for _ in range(100):
+        est.add(0.1)
+    clock.advance(1)
+    assert est.count == 100
+    q = est.quantile(0.99)
+    assert q is not None and q < 0.11
+    clock.advance(120)
+    assert est.count == 0 and est.quantile(0.5) is None
+
+
+def test_deadline_is_static_until_enough_samples_then_clamped_k_times_p99() -> None:
+    clock = ManualClock()
+    est = RollingQuantiles(clock=clock)
+    rule = AdaptiveDeadline(k=1.5, floor=2.0, ceiling=10.0, initial=7.0, min_samples=20)
+    for _ in range(19):
+        est.add(3.0)
+    clock.advance(1)
+    assert rule.value(est) == 7.0  # 19 samples: not yet trusted
+    est.add(3.0)
+    clock.advance(1)
+    assert rule.value(est) == pytest.approx(4.5, rel=0.02)  # 1.5 x 3 s
+    fast = RollingQuantiles(clock=clock)
+    slow = RollingQuantiles(clock=clock)
+    for _ in range(50):
+        fast.add(0.1)
+        slow.add(30.0)
+    clock.advance(1)
+    assert rule.value(fast) == 2.0  # floor
+    assert rule.value(slow) == 10.0  # ceiling
+
+
+def test_retry_budget_allows_its_share_of_requests_plus_the_reserve() -> None:
+    clock = ManualClock()
+    budget = RatioBudget(0.1, reserve=2, window=10, clock=clock)
+    for _ in range(100):
+        budget.request()
+    spent = sum(budget.try_spend() for _ in range(50))
+    assert spent == 12  # 10% of 100 + 2
+    assert not budget.try_spend()
+
+
+def test_retry_budget_refills_as_the_window_moves_on() -> None:
+    clock = ManualClock()
+    budget = RatioBudget(0.1, reserve=0, window=10, clock=clock)
+    for _ in range(100):
+        budget.request()
+    while budget.try_spend():
+        pass
+    clock.advance(11)  # the old requests and spends left the window
+    assert not budget.try_spend()  # no requests yet in the new window: nothing earned
+    for _ in range(10):
+        budget.request()
+    assert budget.try_spend()
+
+
+def test_during_an_outage_retries_stay_at_the_budget_share() -> None:
+    """Every request fails and wants 2 retries: the budget keeps the extra load at 10%."""
+    clock = ManualClock()
+    budget = RatioBudget(0.1, reserve=1, window=10, clock=clock)
+    sent = 0
+    for _ in range(1000):
+        clock.advance(0.05)  # 20 requests/s
+        budget.request()
+        sent += 1
+        for _ in range(2):
+            if budget.try_spend():
+                sent += 1
+    assert sent <= 1000 * 1.1 + 1 * 5  # ratio + one reserve per window (50 s: 5 windows)
+
+
+def test_backoff_is_jittered_exponential_and_capped() -> None:
+    rng = random.Random(0)
+    for attempt, top in ((1, 0.1), (2, 0.2), (3, 0.4), (10, 2.0)):
+        samples = [backoff(attempt, 0.1, 2.0, rng) for _ in range(200)]
+        assert all(0 <= s <= top for s in samples)
+        assert max(samples) > 0.8 * top  # spread over the whole range
+
+
+def test_circuit_opens_after_failures_in_a_row_and_a_probe_closes_it() -> None:
+    clock = ManualClock()
+    b = CircuitBreaker(failures=3, cooldown=10, clock=clock)
+    b.failure()
+    b.failure()
+    b.success()  # not in a row
+    b.failure()
+    b.failure()
+    assert b.state is State.CLOSED and b.allow()
+    b.failure()
+    assert b.state is State.OPEN and not b.allow()
+    clock.advance(9.9)
+    assert not b.allow()
+    clock.advance(0.1)
+    assert b.allow()  # the probe
+    assert b.state is State.HALF_OPEN
+    assert not b.allow()  # one probe at a time
+    b.success()
+    assert b.state is State.CLOSED and b.allow()
+
+
+def test_a_failed_probe_opens_the_circuit_for_another_cooldown() -> None:
+    clock = ManualClock()
+    b = CircuitBreaker(failures=1, cooldown=5, clock=clock)
+    b.failure()
+    clock.advance(5)
+    assert b.allow()
+    b.failure()
+    assert b.state is State.OPEN and not b.allow()
+    clock.advance(5)
+    assert b.allow()
+
+
+def test_a_probe_that_never_reports_is_forgotten_after_a_cooldown() -> None:
+    clock = ManualClock()
+    b = CircuitBreaker(failures=1, cooldown=5, clock=clock)
+    b.failure()
+    clock.advance(5)
+    assert b.allow()  # probe sent, then cancelled: no success() or failure()
+    clock.advance(5)
+    assert b.allow()
+
+
+def test_prompt_size_classes_separate_long_prompts() -> None:
+    assert [prompt_class(n) for n in (10, 1023, 1024, 4095, 4096, 16384, 10**6)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        3,
+        3,
+    ]
+
+
+def test_only_single_choice_text_completions_can_continue() -> None:
+    assert continuable("/completions", {"prompt": "hi"})
+    assert not continuable("/chat/completions", {"messages": []})
+    assert not continuable("/completions", {"prompt": ["a", "b"]})
+    assert not continuable("/completions", {"prompt": "hi", "n": 2})
+    assert not continuable("/completions", {"prompt": "hi", "echo": True})
+
+
+def test_hedge_delay_counts_cut_stalls_as_slower_than_every_ttft_seen() -> None:
+    from tokenpipe.router import Router
+    from tokenpipe.settings import TailSettings
+    from tokenpipe.tail import TailControl
+
+    clock = ManualClock()
+    tail = TailControl(TailSettings(), Router([]), clock)
+    assert tail.hedge_delay("u", "m", 0) == 1.0  # no samples: the static delay
+    for i in range(100):
+        tail.ttft_estimate("u", "m", 0).add(0.010 + i * 0.001)  # 10-109 ms, evenly
+    clock.advance(1)
+    plain = tail.hedge_delay("u", "m", 0)
+    assert plain == pytest.approx(0.105, rel=0.02)  # the p95 of what completed
+    for _ in range(5):
+        tail.censored("u", "m", 0)  # 5 stalls cut short: 5% of 105
+    clock.advance(1)
+    # With the stalls counted, the p95 of all requests is the top of the ordinary ones.
+    assert tail.hedge_delay("u", "m", 0) == pytest.approx(0.109, rel=0.02)
