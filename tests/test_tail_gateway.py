@@ -9,12 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
 from tests import procs
 from tests.sse_client import post_stream
-
-pytestmark = pytest.mark.asyncio
 
 CHAT = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,25 +1,28 @@
 """Tail-latency control around the upstream call: adaptive deadlines, retries within a budget,
 hedged first tokens, ordered fallbacks, circuit breaking and mid-stream recovery.
 
-`TailControl.open` replaces a plain send for every request:
+Two places in the request path:
 
-- the upstreams serving the model are ordered (`tail.fallbacks`, else config order) and an
-  upstream whose circuit is open is passed over;
-- a streamed attempt counts as answered at its first content token, not at its headers; it
-  must get there within the TTFT deadline (clamp(k x p99, floor, ceiling) of this upstream,
-  model and prompt size);
-- when no first token has arrived after the hedge delay (p95 of TTFT), a second attempt goes
-  out (to the next upstream, or the same one), within the hedge budget and only if the limiter
-  has capacity at once; the first to produce a content token wins and the other is closed;
-- a failed attempt (connect error, 5xx, 429, TTFT deadline) is retried with jittered backoff,
-  within `max_attempts` and the retry budget;
-- the winner's stream is handed to the relay with a `StreamGuard`: the bytes read while
-  racing, the stall deadline for gaps between reads, and `resume`, which continues a text
-  completion cut after content on a healthy upstream (prompt + text so far).
+- `TailControl.open` (from `Gateway.open`) sends the request: the upstreams serving the model
+  in `tail.fallbacks` order (else config order), an upstream whose circuit is open passed
+  over; connect errors, 5xx and 429 are retried with jittered backoff on the next upstream,
+  within `max_attempts` and the retry budget. It returns at the response headers, so the
+  client's stream (and its role chunk) starts at once.
+- `StreamGuard` (in the relay's reader, `relay.read_upstream`) handles the stream: until the
+  first content token it races: after the hedge delay (p95 of TTFT) a second request goes
+  out, within the hedge budget and only if the limiter has room at once; the first stream
+  with content wins and the other is closed at once; past the TTFT deadline (clamp(k x p99,
+  floor, ceiling) for this upstream, model and prompt size) the attempt is retried. After
+  it: the stall deadline on each gap between reads, and `resume`, which continues a text
+  completion cut after content on a healthy upstream (prompt + text so far), feeding the
+  same accumulator.
 
 Non-streamed requests keep the simple path: retries, fallbacks and the breaker apply to the
 response status, but there is no first token to race for, so no TTFT deadline and no hedge
-(a non-streamed answer arrives whole; its latency is the whole generation).
+(a non-streamed answer arrives whole; its latency is the whole generation). Streaming it
+upstream and assembling would make both possible; not done: it changes what the upstream
+is asked for and what its usage and errors look like, for little gain over a client that
+streams.
 """
 
 from __future__ import annotations
