@@ -171,7 +171,7 @@ async def _idle(g: Service, timeout: float = 30.0) -> Sample:
     while True:
         s = await _sample(g, 0, empty)
         if s.inflight == 0 or time.monotonic() > deadline:
-            await asyncio.sleep(1.0)  # one more sampler period so tasks settle
+            await asyncio.sleep(1.5)  # one more process sample (1 s) so tasks settle
             return await _sample(g, 0, empty)
         await asyncio.sleep(0.1)  # polling a condition with a deadline
 
