@@ -130,3 +130,20 @@ async def test_openapi_json_is_served_and_its_schemas_are_openais(gateway: procs
     official = json.loads((ROOT / "tests" / "data" / "openai-schemas.json").read_text())
     for name, schema in doc["components"]["schemas"].items():
         assert schema == official["components"]["schemas"][name], name
+
+
+async def test_workers_log_json_too(sim: procs.Service) -> None:
+    """`serve --workers 2 --log-format json`: the spawned workers log in the parent's format."""
+    with procs.gateway(
+        "--upstream", sim.url + "/v1", "--workers", "2", "--log-format", "json", "--access-log"
+    ) as g:
+        async with aiohttp.ClientSession() as s:
+            for i in range(4):
+                async with s.get(g.url + "/healthz", headers={"x-request-id": f"w-{i}"}) as r:
+                    assert r.status == 200
+    ids = {
+        rec.get("request_id")
+        for rec in (orjson.loads(x) for x in g.output().splitlines() if x.startswith("{"))
+        if rec["logger"] == "tokenpipe.access"
+    }
+    assert {f"w-{i}" for i in range(4)} <= ids, g.output()[-2000:]

@@ -8,8 +8,8 @@ passes SIGTERM/SIGINT on (each worker drains on its own) and exits when they hav
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
+import os
 import signal
 import socket
 import sys
@@ -37,10 +37,10 @@ def reuseport_socket(host: str, port: int, listen: bool) -> socket.socket:
 
 def _worker(encoded: bytes, port: int, log_level: str) -> None:
     from tokenpipe import gateway, serving
+    from tokenpipe.observe import logs
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # The parent's `--log-format` reaches spawned workers through the environment.
+    logs.configure(log_level, os.environ.get(logs.FORMAT_ENV, "text"))
     cfg = msgspec.json.decode(encoded, type=Settings)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns Ctrl-C into SIGTERM
     sock = reuseport_socket(cfg.server.host, port, listen=True)

@@ -8,6 +8,7 @@ logger anywhere below the front adds it without being handed the request.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from contextvars import ContextVar
@@ -66,8 +67,13 @@ class TextFormatter(logging.Formatter):
         return f"{text} [request_id={rid}]" if rid else text
 
 
+#: Set by configure() so that processes spawned from this one (serve --workers) log alike.
+FORMAT_ENV = "TOKENPIPE_LOG_FORMAT"
+
+
 def configure(level: str = "info", fmt: str = "text") -> None:
     """Replaces the root handlers: one stderr handler in the chosen format."""
+    os.environ[FORMAT_ENV] = fmt
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
