@@ -9,6 +9,7 @@ contender, a fresh sim each). Contenders, all streamed chat:
     deadlines   adaptive TTFT deadline + retries only (floor 2 s: a stall is cut at 2 s)
     hedging     hedged first tokens only
     all         the defaults (deadlines, retries, hedging, recovery, breaker all on)
+    all+hedge10 the defaults with a 10% hedge budget
 
 and a mid-stream scenario on text completions, 5% of streams reset after 20 tokens, two
 seeded sims behind the gateway: `recovery off` vs `recovery on` (share of answers complete
@@ -39,6 +40,8 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _common import cpu_seconds  # noqa: E402
+
 from tokenpipe import sse  # noqa: E402
 from tokenpipe.bench.procs import Service, gateway, sim  # noqa: E402
 
@@ -67,6 +70,12 @@ tail:
   breaker: {enabled: false}
 """,
     "all": "",
+    # The hedge budget must exceed the share of stalls for hedging to cover them all: at the
+    # default 5% and 5% stalled, the budget runs dry in every 10 s window with more stalls.
+    "all+hedge10": """
+tail:
+  hedging: {budget_ratio: 0.1}
+""",
 }
 CONTENDERS = ("direct", *CONFIGS)
 WARMUP = 30  # requests before measuring: the estimates need 20 samples
@@ -144,7 +153,7 @@ def _cfg(tmp: Path, name: str, upstreams: list[Service], tail: str) -> str:
     lines = ["upstreams:"]
     for i, u in enumerate(upstreams):
         lines += [f"  - name: u{i}", f"    url: {u.url}/v1"]
-    path = tmp / f"{name}.yaml"
+    path = tmp / f"{name.replace(' ', '-').replace(',', '').replace('%', '')}.yaml"
     path.write_text("\n".join(lines) + "\n" + tail)
     return str(path)
 
@@ -226,13 +235,44 @@ async def midstream(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]
     return rows
 
 
+async def cost(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """What the tail layer costs when nothing goes wrong: gateway CPU per streamed request
+    (500 tokens, as fast as the sim sends them, 16 at a time), every feature off vs on."""
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": 500,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    n = args.requests
+    rows = []
+    with sim("--ttft-ms", "5", "--itl-ms", "0") as s:
+        for name, tail in (("tail off", OFF), ("tail on", "")):
+            with gateway("--config", _cfg(tmp, "cost-" + name[-3:].strip(), [s], tail)) as g:
+                await _offer(g.url, "/v1/chat/completions", [body] * 20, 1000)
+                cpu0, t0 = cpu_seconds(g.pid), time.perf_counter()
+                outs = await _offer(g.url, "/v1/chat/completions", [body] * n, 1000)
+                cpu, wall = cpu_seconds(g.pid) - cpu0, time.perf_counter() - t0
+            rows.append(
+                {
+                    "name": name,
+                    "requests": n,
+                    "errors": sum(1 for o in outs if o.error),
+                    "cpu_ms_per_request": cpu / n * 1000,
+                    "requests_per_s": n / wall,
+                }
+            )
+            print(f"  {name}: done", file=sys.stderr)
+    return rows
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:,.0f}"
 
 
 def _print(rows: list[dict[str, Any]], base: dict[str, Any] | None) -> None:
     head = (
-        f"{'contender':<14}{'TTFT p50':>9}{'p99':>8}{'p99.9':>8}{'total p50':>10}{'p99':>8}"
+        f"{'contender':<16}{'TTFT p50':>9}{'p99':>8}{'p99.9':>8}{'total p50':>10}{'p99':>8}"
         f"{'p99.9':>8}{'errors':>7}{'extra':>7}{'p99 TTFT/direct':>17}"
     )
     print(head)
@@ -241,7 +281,7 @@ def _print(rows: list[dict[str, Any]], base: dict[str, Any] | None) -> None:
         if base and r["ttft_p99"] and base["ttft_p99"]:
             ratio = f"{r['ttft_p99'] / base['ttft_p99']:.3f}"
         line = (
-            f"{r['name']:<14}{_ms(r['ttft_p50']):>9}{_ms(r['ttft_p99']):>8}"
+            f"{r['name']:<16}{_ms(r['ttft_p50']):>9}{_ms(r['ttft_p99']):>8}"
             f"{_ms(r['ttft_p999']):>8}{_ms(r['total_p50']):>10}{_ms(r['total_p99']):>8}"
             f"{_ms(r['total_p999']):>8}{r['errors']:>7}{r['extra_upstream']:>7.1%}{ratio:>17}"
         )
@@ -255,14 +295,17 @@ async def main() -> None:
     p.add_argument("--requests", type=int, default=200, help="measured requests per contender")
     p.add_argument("--rate", type=float, default=10.0, help="requests per second (open loop)")
     p.add_argument("--tokens", type=int, default=20, help="output tokens per answer")
-    p.add_argument("--only", default=",".join((*CONTENDERS, "midstream")))
+    p.add_argument("--only", default=",".join((*CONTENDERS, "midstream", "cost")))
     p.add_argument("--json", default=str(ROOT / "results" / "tail.json"))
     args = p.parse_args()
     only = set(args.only.split(","))
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         rows = await stalls(args, tmp, only)
+        if not rows and "midstream" not in only and "cost" not in only:
+            return
         mid = await midstream(args, tmp) if "midstream" in only else []
+        costs = await cost(args, tmp) if "cost" in only else []
     base = next((r for r in rows if r["name"] == "direct"), None)
     print(
         f"\n5% of requests stalled 3 s before the first token; {args.rate:g} requests/s, "
@@ -272,7 +315,17 @@ async def main() -> None:
     if mid:
         print("\ntext completions, 5% of streams reset after 20 tokens (two upstreams)")
         _print(mid, None)
-    _write(Path(args.json), {"args": vars(args), "stalls": rows, "midstream": mid})
+    if costs:
+        print(
+            "\nno faults: gateway CPU per streamed request of 500 tokens (open loop, all at once)"
+        )
+        base_cpu = costs[0]["cpu_ms_per_request"]
+        for r in costs:
+            print(
+                f"{r['name']:<14}{r['cpu_ms_per_request']:>8.2f} ms CPU/request"
+                f"{r['cpu_ms_per_request'] / base_cpu:>8.3f}x{r['errors']:>4} errors"
+            )
+    _write(Path(args.json), {"args": vars(args), "stalls": rows, "midstream": mid, "cost": costs})
 
 
 def _write(out: Path, data: dict[str, Any]) -> None:
