@@ -36,31 +36,76 @@ def _logging(level: str, fmt: str = "text") -> None:
 
 
 @main.command()
-@click.option("--upstream", "upstreams", multiple=True, metavar="URL",
-              help="Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:9000/v1. "
-                   "Repeat for fallbacks, tried in order. Overrides the config's upstreams.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), metavar="FILE",
-              help="YAML config (see docs/config.md).")
+@click.option(
+    "--upstream",
+    "upstreams",
+    multiple=True,
+    metavar="URL",
+    help="Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:9000/v1. "
+    "Repeat for fallbacks, tried in order. Overrides the config's upstreams.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="YAML config (see docs/config.md).",
+)
 @click.option("--host", default=None, help="Address to listen on.  [default: 127.0.0.1]")
-@click.option("--port", type=int, default=None, help="HTTP port (0: any free port).  [default: 8000]")
-@click.option("--grpc-port", type=int, default=None, help="gRPC port, 0 to turn gRPC off.  [default: 50051]")
-@click.option("--drain-seconds", type=float, default=None,
-              help="How long open streams may finish after SIGTERM.  [default: 30]")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--log-format", default="text", show_default=True,
-              type=click.Choice(["text", "json"]),
-              help="json: one object per line with the request id (x-request-id) of each line.")
-@click.option("--access-log", is_flag=True, default=None,
-              help="One log line per request (also server.access_log in the config).")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Gateway processes on one port (SO_REUSEPORT). Limits are shared through "
-                   "Redis, or split evenly across workers with the memory backend.")
-def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
-          port: int | None, grpc_port: int | None, drain_seconds: float | None,
-          log_level: str, log_format: str, access_log: bool | None, workers: int) -> None:
+@click.option(
+    "--port", type=int, default=None, help="HTTP port (0: any free port).  [default: 8000]"
+)
+@click.option(
+    "--grpc-port", type=int, default=None, help="gRPC port, 0 to turn gRPC off.  [default: 50051]"
+)
+@click.option(
+    "--drain-seconds",
+    type=float,
+    default=None,
+    help="How long open streams may finish after SIGTERM.  [default: 30]",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+@click.option(
+    "--log-format",
+    default="text",
+    show_default=True,
+    type=click.Choice(["text", "json"]),
+    help="json: one object per line with the request id (x-request-id) of each line.",
+)
+@click.option(
+    "--access-log",
+    is_flag=True,
+    default=None,
+    help="One log line per request (also server.access_log in the config).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Gateway processes on one port (SO_REUSEPORT). Limits are shared through "
+    "Redis, or split evenly across workers with the memory backend.",
+)
+def serve(
+    upstreams: tuple[str, ...],
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    grpc_port: int | None,
+    drain_seconds: float | None,
+    log_level: str,
+    log_format: str,
+    access_log: bool | None,
+    workers: int,
+) -> None:
     """Run the gateway: OpenAI-compatible HTTP (and gRPC) in front of one or more upstreams."""
-    from tokenpipe import gateway, serving, settings as settings_mod
+    from tokenpipe import gateway, serving
+    from tokenpipe import settings as settings_mod
 
     _logging(log_level, log_format)
     try:
@@ -89,15 +134,18 @@ def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
         from tokenpipe.engines.local import model as local_model
 
         if not local_model.installed():
-            _fail("no upstream configured (--upstream URL or a --config with upstreams), and "
-                  + local_model.INSTALL_HINT)
+            _fail(
+                "no upstream configured (--upstream URL or a --config with upstreams), and "
+                + local_model.INSTALL_HINT
+            )
         try:
             with child.local_engine() as url:
                 cfg.upstreams = [settings_mod.upstream_from_url(url, 0)]
                 click.echo(f"upstream: the local model (Gemma 3 270M) at {url}", err=True)
                 if cfg.server.port:
-                    click.echo(child.examples(f"http://{cfg.server.host}:{cfg.server.port}/v1"),
-                               err=True)
+                    click.echo(
+                        child.examples(f"http://{cfg.server.host}:{cfg.server.port}/v1"), err=True
+                    )
                 if workers > 1:  # N gateway processes share the one model (its queue is fair)
                     from tokenpipe import workers as workers_mod
 
@@ -118,28 +166,66 @@ def serve(upstreams: tuple[str, ...], config_path: str | None, host: str | None,
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=9000, show_default=True, help="0: any free port.")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seeds the text and the fault dice: same seed and request order, same output.")
-@click.option("--ttft-ms", type=float, default=50.0, show_default=True,
-              help="Time to first content token.")
-@click.option("--itl-ms", type=float, default=5.0, show_default=True,
-              help="Interval between tokens (0: as fast as the socket takes them).")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seeds the text and the fault dice: same seed and request order, same output.",
+)
+@click.option(
+    "--ttft-ms", type=float, default=50.0, show_default=True, help="Time to first content token."
+)
+@click.option(
+    "--itl-ms",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Interval between tokens (0: as fast as the socket takes them).",
+)
 @click.option("--tokens-per-chunk", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--output-tokens", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Output length when a request gives no max_tokens.")
+@click.option(
+    "--output-tokens",
+    type=click.IntRange(min=0),
+    default=64,
+    show_default=True,
+    help="Output length when a request gives no max_tokens.",
+)
 @click.option("--model", "models", multiple=True, help="Model name(s) listed. [default: sim-model]")
 @click.option("--strict-models", is_flag=True, help="Answer 404 for models not listed.")
 @click.option("--rpm", type=float, default=None, help="Enforce a requests-per-minute bucket.")
 @click.option("--tpm", type=float, default=None, help="Enforce a tokens-per-minute bucket.")
-@click.option("--bucket-seconds", type=float, default=60.0, show_default=True,
-              help="Depth of the RPM/TPM buckets, in seconds of refill.")
-@click.option("--fault", "fault_specs", multiple=True, metavar="SPEC@RATE",
-              help="Inject a fault into a share of requests, e.g. stall-first:3000@0.05, "
-                   "status:429@0.01, reset:20@0.02. Kinds: status:CODE, stall-first:MS, "
-                   "stall:AFTER:MS, reset:AFTER, truncate:AFTER, garbage, hang-after-headers.")
-def sim(host: str, port: int, seed: int, ttft_ms: float, itl_ms: float, tokens_per_chunk: int,
-        output_tokens: int, models: tuple[str, ...], strict_models: bool, rpm: float | None,
-        tpm: float | None, bucket_seconds: float, fault_specs: tuple[str, ...]) -> None:
+@click.option(
+    "--bucket-seconds",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Depth of the RPM/TPM buckets, in seconds of refill.",
+)
+@click.option(
+    "--fault",
+    "fault_specs",
+    multiple=True,
+    metavar="SPEC@RATE",
+    help="Inject a fault into a share of requests, e.g. stall-first:3000@0.05, "
+    "status:429@0.01, reset:20@0.02. Kinds: status:CODE, stall-first:MS, "
+    "stall:AFTER:MS, reset:AFTER, truncate:AFTER, garbage, hang-after-headers.",
+)
+def sim(
+    host: str,
+    port: int,
+    seed: int,
+    ttft_ms: float,
+    itl_ms: float,
+    tokens_per_chunk: int,
+    output_tokens: int,
+    models: tuple[str, ...],
+    strict_models: bool,
+    rpm: float | None,
+    tpm: float | None,
+    bucket_seconds: float,
+    fault_specs: tuple[str, ...],
+) -> None:
     """Run a simulated OpenAI-compatible upstream with exact, seeded timing and faults.
 
     \b
@@ -156,11 +242,18 @@ def sim(host: str, port: int, seed: int, ttft_ms: float, itl_ms: float, tokens_p
         rated = [faults.parse_rated(s) for s in fault_specs]
         config = SimConfig(
             seed=seed,
-            timing=Timing(ttft_ms=ttft_ms, itl_ms=itl_ms, tokens_per_chunk=tokens_per_chunk,
-                          output_tokens=output_tokens),
+            timing=Timing(
+                ttft_ms=ttft_ms,
+                itl_ms=itl_ms,
+                tokens_per_chunk=tokens_per_chunk,
+                output_tokens=output_tokens,
+            ),
             models=list(models) or ["sim-model"],
             any_model=not strict_models,
-            rpm=rpm, tpm=tpm, bucket_seconds=bucket_seconds, rated_faults=rated,
+            rpm=rpm,
+            tpm=tpm,
+            bucket_seconds=bucket_seconds,
+            rated_faults=rated,
         )
         app = Sim(config).app()
     except ValueError as e:
@@ -173,9 +266,13 @@ def _register_optional() -> None:
     """Sub-commands that live in their own modules (each adds itself to `main`)."""
     import importlib
 
-    for module in ("tokenpipe.engines.local.cli", "tokenpipe.bench.cli",
-                   "tokenpipe.doctor.cli", "tokenpipe.context.kv_cli",
-                   "tokenpipe.config_cli"):
+    for module in (
+        "tokenpipe.engines.local.cli",
+        "tokenpipe.bench.cli",
+        "tokenpipe.doctor.cli",
+        "tokenpipe.context.kv_cli",
+        "tokenpipe.config_cli",
+    ):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as e:
