@@ -21,6 +21,7 @@ def main() -> None:
     bench   a load generator with correct LLM latency metrics
     doctor  explains where one request's latency goes
     kv      KV-cache memory for a model and workload
+    config  checks a config file (`tokenpipe config check FILE`)
     """
 
 
