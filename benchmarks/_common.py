@@ -25,3 +25,8 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def fmt(v: float | None, width: int, digits: int = 2) -> str:
+    """A table cell: the number, or '-' where there is none (e.g. no ITL in 1-chunk streams)."""
+    return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import cpu_seconds, free_port
+from _common import cpu_seconds, fmt, free_port
 
 from tokenpipe.bench import Summary, run_load
 from tokenpipe.bench.procs import Service
@@ -155,10 +155,6 @@ def _row(t: Target, base: Target) -> dict[str, Any]:
     }
 
 
-def _f(v: float | None, width: int, digits: int = 2) -> str:
-    return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"
-
-
 def _print(pace: str, concurrency: int, rows: list[dict[str, Any]]) -> None:
     print(f"\n== {pace}, concurrency {concurrency} ==")
     print(
@@ -168,11 +164,11 @@ def _print(pace: str, concurrency: int, rows: list[dict[str, Any]]) -> None:
     )
     for r in rows:
         print(
-            f"{r['target']:<11} {_f(r['ttft_p50_ms'], 9)} {_f(r['ttft_p99_ms'], 8)} "
-            f"{_f(r['added_ttft_p50_ms'], 7)} {_f(r['added_ttft_p99_ms'], 7)} "
-            f"{_f(r['itl_p50_ms'], 11, 3)} {_f(r['itl_p99_ms'], 7, 3)} "
-            f"{_f(r['tokens_per_chunk'], 9)} {_f(r['tokens_per_s'], 9, 0)} "
-            f"{_f(r['tokens_per_s_vs_direct'], 8)} {_f(r['cpu_s_per_1k_tokens'], 8, 3)} "
+            f"{r['target']:<11} {fmt(r['ttft_p50_ms'], 9)} {fmt(r['ttft_p99_ms'], 8)} "
+            f"{fmt(r['added_ttft_p50_ms'], 7)} {fmt(r['added_ttft_p99_ms'], 7)} "
+            f"{fmt(r['itl_p50_ms'], 11, 3)} {fmt(r['itl_p99_ms'], 7, 3)} "
+            f"{fmt(r['tokens_per_chunk'], 9)} {fmt(r['tokens_per_s'], 9, 0)} "
+            f"{fmt(r['tokens_per_s_vs_direct'], 8)} {fmt(r['cpu_s_per_1k_tokens'], 8, 3)} "
             f"{r['requests_failed']:5d}"
         )
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import cpu_seconds, free_port
+from _common import cpu_seconds, fmt, free_port
 
 from tokenpipe.bench import ProtocolUnavailable, Summary, run_load
 from tokenpipe.bench.procs import Service
@@ -105,10 +105,10 @@ def _print(concurrency: int, rows: list[dict[str, Any]]) -> None:
             print(f"{r['protocol']:<9} unavailable: {r['unavailable']}")
             continue
         print(
-            f"{r['protocol']:<9} {r['tokens_per_s']:9.0f} {r['itl_token_p50_ms']:11.3f} "
-            f"{r['itl_token_p99_ms']:8.3f} {r['ttft_p50_ms']:9.2f} "
-            f"{r['tokens_per_chunk']:9.2f} {r['cpu_s_per_1k_tokens']:8.3f} "
-            f"{r['requests_failed']:5d}"
+            f"{r['protocol']:<9} {fmt(r['tokens_per_s'], 9, 0)} "
+            f"{fmt(r['itl_token_p50_ms'], 11, 3)} {fmt(r['itl_token_p99_ms'], 8, 3)} "
+            f"{fmt(r['ttft_p50_ms'], 9)} {fmt(r['tokens_per_chunk'], 9)} "
+            f"{fmt(r['cpu_s_per_1k_tokens'], 8, 3)} {r['requests_failed']:5d}"
         )
         for note in r["notes"]:
             print(f"          note: {note}")
