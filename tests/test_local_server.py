@@ -461,3 +461,32 @@ def test_serve_without_an_upstream_runs_the_local_model_and_stops_it_on_exit() -
         return False
 
     until(refused, timeout=15, what="the local child to stop")
+
+
+def test_a_paced_reader_slows_decoding_to_its_pace_through_the_gateway(
+    local: procs.Service, local_gateway: procs.Service
+) -> None:
+    """The pace a client asks the gateway for reaches generation: the engine decodes at that
+    pace (its own token timestamps), instead of racing ahead into buffers."""
+    rid = "paced-" + uuid.uuid4().hex[:8]
+    n, rate = 24, 8.0  # tokens, tokens/s: far below what the model decodes here
+    r = post(
+        local_gateway.url,
+        "/v1/chat/completions",
+        {
+            "model": "gemma-3-270m",
+            "stream": True,
+            "max_tokens": n,
+            "ignore_eos": True,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Count from one to a hundred."}],
+        },
+        {"x-request-id": rid, "x-tokenpipe-max-tokens-per-second": str(rate)},
+    )
+    assert r.status == 200 and b"data: [DONE]" in r.body
+    times = record(local, rid, times=True)["token_times"]
+    assert len(times) == n
+    # Decoding n tokens at the pace takes about (n - 1 - handoff) / rate: the first few fill the
+    # 4-token hand-off at once, the rest wait for the reader. Unpaced it takes well under 2 s.
+    span = times[-1] - times[0]
+    assert span >= (n - 1 - 5) / rate * 0.9, span

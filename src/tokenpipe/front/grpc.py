@@ -29,6 +29,7 @@ from tokenpipe.front import schema
 from tokenpipe.front.grpc_gen import chat_pb2, chat_pb2_grpc
 from tokenpipe.pipeline import Gateway
 from tokenpipe.relay import EventParser, Piece, relay_stream
+from tokenpipe.upstream import http as upstream_http
 from tokenpipe.upstream.http import read_bounded
 
 log = logging.getLogger("tokenpipe.grpc")
@@ -169,6 +170,8 @@ class _Session:
 
     async def _serve_unguarded(self, rid: str, req: chat_pb2.ChatRequest, state: _Request) -> None:
         started = time.perf_counter()
+        if state.gate.rate:  # a pace set before the request reaches a generating upstream
+            upstream_http.PACE.set(state.gate.rate)
         obj: dict[str, Any] = {
             "model": req.model,
             "messages": [{"role": m.role, "content": m.content} for m in req.messages],

@@ -28,6 +28,7 @@ from tokenpipe.observe import logs, metrics
 from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Call, Gateway
 from tokenpipe.relay import EventParser, StreamTally, emit_sse, relay_stream
+from tokenpipe.upstream import http as upstream_http
 from tokenpipe.upstream.http import read_bounded
 
 log = logging.getLogger("tokenpipe.front")
@@ -148,6 +149,8 @@ async def _completion(
     body = await _read_body(request, server.max_body_bytes, server.read_timeout_seconds)
     req, obj = schema.parse(body, kind)
     gate = _pace(request, req) if req.stream else None
+    if gate is not None:
+        upstream_http.PACE.set(gate.rate)  # this request's task only: the pace reaches upstream
     call = await gw.open(
         kind, req, obj, body, key=key, request_id=rid, started=started, headers=request.headers
     )

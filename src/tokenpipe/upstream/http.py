@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextvars import ContextVar
 
 import aiohttp
 import orjson
@@ -19,6 +20,12 @@ log = logging.getLogger("tokenpipe.upstream")
 
 #: Largest non-streamed upstream body read into memory (bytes); larger ones are a 502.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+#: The pace (tokens/s) the client of the current request renders at, set by the front for the
+#: request's task (a number the gateway vetted, never a client header passed on). Upstreams
+#: that generate (`tokenpipe local`) slow decoding to it instead of racing into buffers;
+#: others ignore the header.
+PACE: ContextVar[float | None] = ContextVar("tokenpipe_pace", default=None)
+PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
 #: How long a list of the upstream's models is trusted before it is asked again (seconds).
 MODELS_TTL = 60.0
 
@@ -69,6 +76,9 @@ class HttpUpstream:
         """
         headers = dict(self._headers)
         headers["x-request-id"] = request_id
+        pace = PACE.get()
+        if pace:
+            headers[PACE_HEADER] = f"{pace:g}"
         try:
             return await self.session.post(
                 self.base_url + path, data=body, headers=headers, allow_redirects=False
