@@ -490,3 +490,17 @@ def test_a_paced_reader_slows_decoding_to_its_pace_through_the_gateway(
     # 4-token hand-off at once, the rest wait for the reader. Unpaced it takes well under 2 s.
     span = times[-1] - times[0]
     assert span >= (n - 1 - 5) / rate * 0.9, span
+
+
+def test_gateway_passes_the_engines_timing_headers_through(
+    local_gateway: procs.Service,
+) -> None:
+    r = post(
+        local_gateway.url,
+        "/v1/completions",
+        {"model": "gemma-3-270m", "prompt": "Once upon a time", "max_tokens": 4},
+    )
+    assert r.status == 200, r.body
+    assert float(r.headers["x-tokenpipe-queue-ms"]) >= 0
+    assert float(r.headers["x-tokenpipe-prefill-ms"]) > 0
+    assert float(r.headers["x-tokenpipe-decode-ms"]) > 0

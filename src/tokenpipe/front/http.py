@@ -44,6 +44,9 @@ _SSE_HEADERS = {
 CLIENT_CLOSED = 499
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+#: Server-side phases (ms) a generating upstream reports on non-streamed answers
+#: (`tokenpipe local`); passed through as they are. Streams carry them as an SSE comment.
+_SERVER_TIMING_HEADERS = ("x-tokenpipe-queue-ms", "x-tokenpipe-prefill-ms", "x-tokenpipe-decode-ms")
 #: Request header for the rate (tokens/s) a client can render; the relay paces to it.
 PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
 
@@ -226,6 +229,10 @@ async def _unary(
                 502, "Upstream sent a response that is not JSON.", code="upstream_error"
             )
         tally.usage = obj.get("usage")
+        for name in _SERVER_TIMING_HEADERS:  # the engine's own phases, for doctor and benches
+            value = uresp.headers.get(name)
+            if value is not None:
+                headers[name] = value
         return status, json_response(status, body, headers)
     # Upstream error: keep its status when it is an HTTP error a client can act on, make sure
     # the body is OpenAI-shaped, and keep the rate-limit headers a client's retry logic reads.
