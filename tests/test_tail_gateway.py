@@ -261,6 +261,74 @@ tail:
             assert (await _metrics(gw))['tokenpipe_upstream_state{upstream="sim"}'] == 0
 
 
+async def test_a_5xx_falls_over_to_the_next_upstream_in_fallback_order(tmp_path: Path) -> None:
+    tail = """
+tail:
+  fallbacks: {sim-model: [bad, good]}
+"""
+    with (
+        procs.sim("--ttft-ms", "1", "--itl-ms", "0", "--fault", "status:503@1.0") as bad,
+        procs.sim("--ttft-ms", "1", "--itl-ms", "0") as good,
+        procs.gateway(
+            "--config", _config(tmp_path, [("good", good.url), ("bad", bad.url)], tail)
+        ) as gw,
+    ):
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": False}) as r,
+        ):
+            assert r.status == 200
+            await r.read()
+        assert await _sim_requests(bad) == 1  # tried first (fallbacks order, not config order)
+        assert await _sim_requests(good) == 1
+        m = await _metrics(gw)
+    assert m['tokenpipe_retries_total{outcome="retried",reason="status_5xx"}'] == 1
+
+
+async def test_no_first_token_by_the_ttft_deadline_is_retried_elsewhere(tmp_path: Path) -> None:
+    tail = """
+tail:
+  hedging: {enabled: false}
+  ttft: {floor_seconds: 0.3, initial_seconds: 0.3}
+"""
+    with (
+        procs.sim("--ttft-ms", "5", "--itl-ms", "1", "--fault", "stall-first:20000@1.0") as slow,
+        procs.sim("--ttft-ms", "5", "--itl-ms", "1") as fast,
+        procs.gateway(
+            "--config", _config(tmp_path, [("slow", slow.url), ("fast", fast.url)], tail)
+        ) as gw,
+    ):
+        t0 = time.monotonic()
+        r = await post_stream(gw.url + "/v1/chat/completions", {**CHAT, "max_tokens": 5})
+        took = time.monotonic() - t0
+        m = await _metrics(gw)
+    assert r.status == 200 and r.done and r.errors == []
+    assert len(r.text.split()) == 5
+    roles = [c for c in r.chunks if (c["choices"] or [{}])[0].get("delta", {}).get("role")]
+    assert len(roles) == 1  # the retry's own role chunk was dropped
+    assert 0.3 <= took < 3, took
+    assert m['tokenpipe_retries_total{outcome="retried",reason="ttft_deadline"}'] == 1
+
+
+async def test_the_client_deadline_header_bounds_a_stuck_stream(tmp_path: Path) -> None:
+    with (
+        procs.sim("--ttft-ms", "5", "--itl-ms", "1") as sim,
+        procs.gateway("--config", _config(tmp_path, [("sim", sim.url)])) as gw,
+    ):
+        body = {
+            **CHAT,
+            "max_tokens": 30,
+            "messages": [{"role": "user", "content": "[[sim fault=stall:3:20000]] hi"}],
+        }
+        t0 = time.monotonic()
+        r = await post_stream(
+            gw.url + "/v1/chat/completions", body, headers={"x-tokenpipe-deadline-seconds": "0.5"}
+        )
+        took = time.monotonic() - t0
+    assert r.errors and r.errors[0]["code"] == "upstream_timeout"
+    assert 0.4 <= took < 2.0, took  # the stall deadline alone would wait 10 s (no samples)
+
+
 def test_config_can_switch_every_feature_off(tmp_path: Path) -> None:
     from tokenpipe import settings
 
