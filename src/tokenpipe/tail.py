@@ -277,9 +277,10 @@ class TailControl:
                     await self._first_token(a, resp)
                 a.first_at = self.clock.now()
         except TimeoutError:
+            within = f" within {deadline:.3g} s" if deadline is not None else " in time"
             a.error = GatewayError(
                 504,
-                f"Upstream '{a.upstream.name}' sent no first token within {deadline:.3g} s.",
+                f"Upstream '{a.upstream.name}' sent no first token{within}.",
                 code="upstream_timeout",
             )
             a.reason = "ttft_deadline"
@@ -616,7 +617,7 @@ class StreamGuard:
                     return await self._retry(uresp, parser, acc, "ttft_deadline", _late(ttft))
                 if hedge_at is not None and now >= hedge_at:
                     hedge_at = None
-                    attempt = self._hedge()
+                    attempt = await self._hedge()
                     if attempt is not None:
                         hedge = asyncio.create_task(
                             tail._attempt(
@@ -634,13 +635,13 @@ class StreamGuard:
                 if t is not None:
                     await _cancel(t)
 
-    def _hedge(self) -> Attempt | None:
+    async def _hedge(self) -> Attempt | None:
         """A second attempt for a request with no first token yet, if the budget allows."""
         tail = self._tail
         if not tail.hedge_budget.try_spend():
             metrics.HEDGES.labels("no_budget").inc()
             return None
-        order = tail._ordered([u for u in tail.router.upstreams], self.model)
+        order = tail._ordered(await tail.router.candidates(self.model), self.model)
         target = tail._pick(order, avoid=self.upstream.name)
         if target is None:
             metrics.HEDGES.labels("no_budget").inc()
