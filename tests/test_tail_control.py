@@ -168,9 +168,10 @@ def test_prompt_size_classes_separate_long_prompts() -> None:
     ]
 
 
-def test_only_single_choice_text_completions_can_continue() -> None:
+def test_only_single_choice_answers_without_tools_can_continue() -> None:
     assert continuable("/completions", {"prompt": "hi"})
-    assert not continuable("/chat/completions", {"messages": []})
+    assert continuable("/chat/completions", {"messages": []})
+    assert not continuable("/chat/completions", {"messages": [], "tools": [{}]})
     assert not continuable("/completions", {"prompt": ["a", "b"]})
     assert not continuable("/completions", {"prompt": "hi", "n": 2})
     assert not continuable("/completions", {"prompt": "hi", "echo": True})

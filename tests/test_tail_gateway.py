@@ -16,10 +16,15 @@ from tests.sse_client import post_stream
 CHAT = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def _config(tmp: Path, upstreams: list[tuple[str, str]], tail: str = "") -> str:
+def _config(
+    tmp: Path, upstreams: list[tuple[str, str]], tail: str = "", continuing: str = ""
+) -> str:
+    """A gateway config; `continuing`: the upstream that takes an assistant prefix."""
     lines = ["upstreams:"]
     for name, url in upstreams:
         lines += [f"  - name: {name}", f"    url: {url}/v1"]
+        if name == continuing:
+            lines.append("    continue_final_message: true")
     cfg = tmp / f"gw-{upstreams[0][0]}.yaml"
     cfg.write_text("\n".join(lines) + "\n" + tail)
     return str(cfg)
@@ -175,6 +180,43 @@ async def test_a_text_completion_reset_mid_stream_continues_on_a_healthy_upstrea
     assert spliced.done
     assert spliced.text == whole.text
     assert m['tokenpipe_retries_total{outcome="retried",reason="midstream"}'] == 1
+
+
+async def test_a_chat_stream_reset_mid_way_continues_where_the_upstream_takes_a_prefix(
+    tmp_path: Path,
+) -> None:
+    body = {**CHAT, "max_tokens": 40}
+    timing = ("--ttft-ms", "5", "--itl-ms", "1", "--seed", "5")
+    with (
+        procs.sim(*timing, "--fault", "reset:12@1.0") as broken,
+        procs.sim(*timing) as healthy,
+    ):
+        ups = [("broken", broken.url), ("healthy", healthy.url)]
+        cfg = _config(tmp_path, ups, continuing="healthy")
+        with procs.gateway("--config", cfg) as gw:
+            whole = await post_stream(healthy.url + "/v1/chat/completions", body)
+            spliced = await post_stream(gw.url + "/v1/chat/completions", body)
+    assert whole.done and len(whole.text.split()) == 40
+    assert spliced.errors == [] and spliced.done
+    assert spliced.text == whole.text
+    roles = [c for c in spliced.chunks if (c["choices"] or [{}])[0].get("delta", {}).get("role")]
+    assert len(roles) == 1
+
+
+async def test_a_chat_stream_is_not_continued_where_no_upstream_takes_a_prefix(
+    tmp_path: Path,
+) -> None:
+    timing = ("--ttft-ms", "5", "--itl-ms", "1")
+    with (
+        procs.sim(*timing, "--fault", "reset:12@1.0") as broken,
+        procs.sim(*timing) as healthy,
+        procs.gateway(
+            "--config", _config(tmp_path, [("broken", broken.url), ("healthy", healthy.url)])
+        ) as gw,
+    ):
+        r = await post_stream(gw.url + "/v1/chat/completions", {**CHAT, "max_tokens": 40})
+    assert len(r.errors) == 1
+    assert "cut after 12 content deltas" in r.errors[0]["message"]
 
 
 async def test_the_retry_budget_caps_retries_during_a_full_outage(tmp_path: Path) -> None:

@@ -67,6 +67,9 @@ class UpstreamSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     #: Ask for `usage` on streams (stream_options.include_usage) so token metrics are exact;
     #: the usage chunk is removed again for clients that did not ask for it.
     request_usage: bool = True
+    #: The upstream continues a trailing assistant message (vLLM's `continue_final_message`):
+    #: a chat stream cut mid-way elsewhere may continue here (tail.recovery).
+    continue_final_message: bool = False
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None

@@ -446,15 +446,23 @@ class TailControl:
 
 def continuable(path: str, obj: dict[str, Any]) -> bool:
     """Can a cut stream continue elsewhere? Text completions with one string prompt and one
-    choice: the continuation is the prompt + the text so far. (Chat would need the upstream
-    to accept a trailing assistant prefix, e.g. vLLM's continue_final_message, which an
-    OpenAI-compatible upstream cannot be assumed to do.)"""
+    choice: the continuation is the prompt + the text so far. Chat with one choice and no
+    tools: the messages + an assistant message holding the text so far, sent only to an
+    upstream that continues a final assistant message (`upstreams[].continue_final_message`,
+    vLLM's parameter of that name; an OpenAI-compatible upstream in general would answer it
+    as a new turn)."""
+    if obj.get("n") not in (None, 1) or obj.get("logprobs"):
+        return False
+    if path == "/chat/completions":
+        return (
+            isinstance(obj.get("messages"), list)
+            and not obj.get("tools")
+            and not obj.get("functions")
+        )
     return (
         path == "/completions"
         and isinstance(obj.get("prompt"), str)
-        and obj.get("n") in (None, 1)
         and not obj.get("echo")
-        and obj.get("logprobs") is None
         and obj.get("best_of") in (None, 1)
         and obj.get("suffix") is None
     )
@@ -781,6 +789,8 @@ class StreamGuard:
                 return None
             self.continuations += 1
             order = tail._ordered(await tail.router.candidates(self.model), self.model)
+            if self.path == "/chat/completions":
+                order = [u for u in order if u.settings.continue_final_message]
             target = tail._pick(order, avoid=self.upstream.name)
             if target is None:
                 return None
@@ -810,7 +820,13 @@ class StreamGuard:
 
     def _continuation(self, texts: list[str]) -> bytes:
         obj = dict(self.obj)
-        obj["prompt"] = self.obj["prompt"] + "".join(texts)
+        so_far = "".join(texts)
+        if self.path == "/chat/completions":
+            obj["messages"] = [*self.obj["messages"], {"role": "assistant", "content": so_far}]
+            obj["continue_final_message"] = True
+            obj["add_generation_prompt"] = False
+        else:
+            obj["prompt"] = self.obj["prompt"] + so_far
         # One delta is one token for the servers we continue on (vLLM, llama.cpp, TGI and the
         # sim stream token by token); the remainder keeps the total length the client set.
         for key in ("max_tokens", "max_completion_tokens"):
