@@ -142,6 +142,9 @@ def serve(
         try:
             with child.local_engine() as url:
                 cfg.upstreams = [settings_mod.upstream_from_url(url, 0)]
+                # One model that runs one sequence at a time: a hedge would only queue behind
+                # the request it hedges.
+                cfg.tail.hedging.enabled = False
                 click.echo(f"upstream: the local model (Gemma 3 270M) at {url}", err=True)
                 if cfg.server.port:
                     click.echo(
