@@ -169,22 +169,6 @@ def test_cli_json_has_a_summary_and_one_run_per_concurrency_and_protocol(sim, tm
     assert "HTTP/1.1" in p.stdout
 
 
-def _has_grpc_gen() -> bool:
-    try:
-        import tokenpipe.front.grpc_gen.chat_pb2  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(_has_grpc_gen(), reason="the generated gRPC code exists")
-def test_grpc_protocol_is_skipped_with_a_reason_until_the_generated_code_exists(sim):
-    p = _bench(sim.url + "/v1", "--protocol", "grpc", "--requests", "1")
-    assert p.returncode == 2
-    assert "grpc_gen" in p.stderr and "skipped" in p.stderr
-
-
-@pytest.mark.skipif(not _has_grpc_gen(), reason="no generated gRPC code yet")
 def test_compare_sse_and_grpc_through_the_gateway_in_one_interleaved_run(tmp_path: Path):
     with socket.socket() as sock:  # a free port for gRPC (the gateway's 0 turns gRPC off)
         sock.bind(("127.0.0.1", 0))
