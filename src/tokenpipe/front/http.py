@@ -24,6 +24,7 @@ from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import cors, schema
+from tokenpipe.front.pacing import pace_gate
 from tokenpipe.observe import logs, metrics
 from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Call, Gateway
@@ -47,8 +48,6 @@ GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 #: Server-side phases (ms) a generating upstream reports on non-streamed answers
 #: (`tokenpipe local`); passed through as they are. Streams carry them as an SSE comment.
 _SERVER_TIMING_HEADERS = ("x-tokenpipe-queue-ms", "x-tokenpipe-prefill-ms", "x-tokenpipe-decode-ms")
-#: Request header for the rate (tokens/s) a client can render; the relay paces to it.
-PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -151,7 +150,12 @@ async def _completion(
     server = gw.settings.server
     body = await _read_body(request, server.max_body_bytes, server.read_timeout_seconds)
     req, obj = schema.parse(body, kind)
-    gate = _pace(request, req) if req.stream else None
+    gate = None
+    if req.stream:
+        gate = pace_gate(
+            request.headers,
+            req.stream_options.max_tokens_per_second if req.stream_options else None,
+        )
     if gate is not None:
         upstream_http.PACE.set(gate.rate)  # this request's task only: the pace reaches upstream
     call = await gw.open(
@@ -185,26 +189,6 @@ def _bound_client_buffers(request: web.Request, sndbuf: int) -> None:
     sock = transport.get_extra_info("socket")
     if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-
-
-def _pace(request: web.Request, req: Any) -> FlowGate | None:
-    rate = req.stream_options.max_tokens_per_second if req.stream_options else None
-    header = request.headers.get(PACE_HEADER)
-    if header is not None:
-        try:
-            rate = float(header)
-        except ValueError:
-            raise GatewayError(
-                400,
-                f"{PACE_HEADER} must be a number of tokens per second.",
-                param=PACE_HEADER,
-                code="invalid_request",
-            ) from None
-    if not rate or rate <= 0:
-        return None
-    gate = FlowGate()
-    gate.set_rate(rate)
-    return gate
 
 
 async def _unary(

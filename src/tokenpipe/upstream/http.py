@@ -14,6 +14,7 @@ import aiohttp
 import orjson
 
 from tokenpipe.errors import GatewayError
+from tokenpipe.front.pacing import PACE_HEADER
 from tokenpipe.settings import UpstreamSettings
 
 log = logging.getLogger("tokenpipe.upstream")
@@ -25,7 +26,6 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 #: that generate (`tokenpipe local`) slow decoding to it instead of racing into buffers;
 #: others ignore the header.
 PACE: ContextVar[float | None] = ContextVar("tokenpipe_pace", default=None)
-PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
 #: How long a list of the upstream's models is trusted before it is asked again (seconds).
 MODELS_TTL = 60.0
 

@@ -33,6 +33,7 @@ from tokenpipe.engines.local.model import MODEL_ID, LoadedModel
 from tokenpipe.engines.local.prompt import PromptError, chat_segments
 from tokenpipe.engines.local.queue import ModelSlot
 from tokenpipe.errors import GatewayError
+from tokenpipe.front.pacing import pace_gate
 from tokenpipe.observe.metrics import render
 
 #: Largest request body read (bytes); a longer one gets 413.
@@ -73,11 +74,6 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
     #: The rate (tokens/s) the reader renders at; decoding is paced to it (see `_stream`).
     max_tokens_per_second: float | None = None
-
-
-#: Request header with the same meaning as `stream_options.max_tokens_per_second`; the gateway
-#: sends it when its client asked for a pace, so the pace reaches generation.
-PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
 
 
 class _Params(msgspec.Struct, kw_only=True):
@@ -272,7 +268,8 @@ class LocalServer:
         try:
             if req.stream:
                 usage = bool(req.stream_options and req.stream_options.include_usage)
-                gate = _pace(request, req.stream_options)
+                opts = req.stream_options
+                gate = pace_gate(request.headers, opts.max_tokens_per_second if opts else None)
                 return await self._stream(request, rec, kind, model, handoff, usage, gate)
             return await self._unary(rec, kind, model, handoff)
         finally:
@@ -468,26 +465,6 @@ def _usage(rec: Record) -> dict[str, int]:
 
 def _id(kind: str, rid: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
-
-
-def _pace(request: web.Request, options: StreamOptions | None) -> FlowGate | None:
-    rate = options.max_tokens_per_second if options else None
-    header = request.headers.get(PACE_HEADER)
-    if header is not None:
-        try:
-            rate = float(header)
-        except ValueError:
-            raise GatewayError(
-                400,
-                f"{PACE_HEADER} must be a number of tokens per second.",
-                param=PACE_HEADER,
-                code="invalid_request",
-            ) from None
-    if not rate or rate <= 0:
-        return None
-    gate = FlowGate()
-    gate.set_rate(rate)
-    return gate
 
 
 def _small_buffers(request: web.Request) -> None:
