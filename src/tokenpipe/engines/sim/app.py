@@ -25,6 +25,7 @@ from aiohttp import web
 
 from tokenpipe import sse
 from tokenpipe.control.bucket import TokenBucket
+from tokenpipe.control.ratelimit_headers import go_duration
 from tokenpipe.engines.sim import faults, text
 from tokenpipe.engines.sim.faults import Fault
 
@@ -485,15 +486,6 @@ def _retry_headers(wait: float, headers: dict[str, str]) -> dict[str, str]:
         "retry-after": str(max(1, math.ceil(wait))),
         "retry-after-ms": str(max(1, math.ceil(wait * 1000))),
     }
-
-
-def go_duration(seconds: float) -> str:
-    """Formats like OpenAI's reset headers (Go durations): 12ms, 1.5s, 6m0s."""
-    if seconds < 1:
-        return f"{max(0, round(seconds * 1000))}ms"
-    minutes, secs = divmod(seconds, 60)
-    s = f"{secs:.3f}".rstrip("0").rstrip(".")
-    return f"{int(minutes)}m{s}s" if minutes else f"{s}s"
 
 
 def _error(
