@@ -125,9 +125,12 @@ async def test_hedging_keeps_p99_ttft_within_twice_the_no_stall_p95_for_few_extr
     # that request waits for the deadline; one such is within the p99 of 200.)
     # The bar is p99 <= 2x the no-stall p95: measured 1.6-2.3x on a quiet machine,
     # up to 3.8x while other work shares its 2 cores (benchmarks/tail.py reports it at the
-    # issue's scale). CI checks the effect with room for that noise: the 3 s stalls (and the
-    # 2 s TTFT deadline) are gone from the p99.
-    assert p99 < 0.5, (p95, p99, sorted(hedged)[-12:])
+    # issue's scale). CI checks the effect with room for that noise: of ~10 requests that
+    # stall 3 s, at most 3 stay slow. (A hedge stalls too with 5% odds, which then waits for
+    # the 2 s TTFT deadline: about 0.5 such requests per run, and two of them would already
+    # put the p99 of 200 at 2 s; a p99 bar would fail ~1 run in 10 on chance alone.)
+    slow = sum(1 for t in hedged if t > 0.5)
+    assert slow <= 3, (p95, p99, sorted(hedged)[-12:])
     assert extra <= 0.10, extra  # measured 5.0-7.5%
 
 
