@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import importlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -244,20 +243,11 @@ class H2Client:
 
 
 def grpc_modules() -> tuple[ModuleType, ModuleType]:
-    """(chat_pb2, chat_pb2_grpc) from `tokenpipe.front.grpc_gen`, or ProtocolUnavailable."""
-    candidates = ("tokenpipe.front.grpc_gen", "tokenpipe.front.grpc_gen.tokenpipe.v1")
-    for base in candidates:
-        try:
-            return (
-                importlib.import_module(base + ".chat_pb2"),
-                importlib.import_module(base + ".chat_pb2_grpc"),
-            )
-        except ModuleNotFoundError:
-            continue
-    raise ProtocolUnavailable(
-        "grpc: tokenpipe.front.grpc_gen (generated from proto/tokenpipe/v1/chat.proto) is not "
-        "there yet; the grpc protocol is skipped. Use --protocol sse or h2."
-    )
+    """(chat_pb2, chat_pb2_grpc), the committed code generated from chat.proto; imported on
+    first use so that SSE-only runs never load grpc."""
+    from tokenpipe.front.grpc_gen import chat_pb2, chat_pb2_grpc
+
+    return chat_pb2, chat_pb2_grpc
 
 
 def grpc_target(url: str) -> str:
