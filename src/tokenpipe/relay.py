@@ -1,15 +1,20 @@
 """Moves an upstream stream to the client with bounded memory, and measures it on the way.
 
 Two parts per stream (see `relay_stream`):
-- the reader (a child task) parses upstream SSE events into `Piece`s and puts them into a
-  bounded `Accumulator`, merging consecutive content deltas as they queue;
+- the reader (a child task) parses upstream SSE events into `Piece`s. While the client keeps
+  up (nothing queued, its transport empty, the flow gate open) the reader writes them itself;
+  otherwise it puts them into a bounded `Accumulator`, merging consecutive content deltas as
+  they queue;
 - the writer (the request's own task) takes whatever has accumulated whenever the client can
   take more and the flow gate (credit, pace) allows, and emits it as one event or message.
 
 A client that keeps up gets every upstream event as it was sent (the bytes pass through, no
-re-serialisation, no waiting for more). A slow client gets fewer, larger events with exactly
-the same text. No content is dropped or reordered: merging only joins neighbouring content
-deltas of the same choice.
+re-serialisation, no waiting for more, no task switch). A slow client gets fewer, larger
+events with exactly the same text. No content is dropped or reordered: the reader writes only
+when nothing is queued, and merging only joins neighbouring content deltas of one choice.
+
+Per event the relay decodes only the fields it acts on (msgspec, typed) and parses the whole
+chunk into a dict only when it merges.
 
 Bounds (per stream): the accumulator stops reading the upstream once it holds HIGH_WATERMARK
 bytes (TCP backpressure then reaches the upstream) and resumes below LOW_WATERMARK; one socket
@@ -26,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import msgspec
 import orjson
 
 from tokenpipe import sse
@@ -127,37 +133,72 @@ PIECE_OVERHEAD = 64
 class Piece:
     """One upstream event, or several neighbouring content deltas merged.
 
-    `parts` (content pieces only) holds each delta's text; `template` is the first delta's
-    chunk, from which a merged event is rebuilt. `raw` is the event as received (and sent when
-    the piece was not merged or split).
+    `count` is the content deltas (tokens) it carries; `parts` their texts. `raw` is the event
+    as received (and sent when the piece was not merged or split). A piece that may merge keeps
+    its JSON in `data` and is parsed into `template` (from which a merged event is rebuilt) only
+    when it does merge, which happens only while a client is behind.
     """
 
-    __slots__ = ("error", "finish_reason", "parts", "raw", "size", "template", "text_key")
+    __slots__ = (
+        "count",
+        "data",
+        "error",
+        "finish_reason",
+        "parts",
+        "raw",
+        "size",
+        "template",
+        "text_key",
+    )
 
     def __init__(
         self,
         raw: bytes | None,
         parts: list[str] | None = None,
-        template: dict[str, Any] | None = None,
-        text_key: str = "",
+        data: bytes | None = None,
     ) -> None:
         self.raw = raw
         self.parts = parts
-        self.template = template
-        self.text_key = text_key  # "content" (chat delta) or "text" (completion)
+        self.count = len(parts) if parts is not None else 0
+        #: The event's JSON while it may still merge (see `mergeable`); None: it cannot.
+        self.data = data
+        self.template: dict[str, Any] | None = None
+        #: "content" (chat delta) or "text" (completion) once known mergeable; "" unknown/never.
+        self.text_key = ""
         self.finish_reason: str | None = None
         self.error: dict[str, Any] | None = None
         self.size = (len(raw) if raw is not None else 0) + PIECE_OVERHEAD
 
-    @property
-    def tokens(self) -> int:
-        return len(self.parts) if self.parts is not None else 0
+    def mergeable(self) -> bool:
+        """Parses the piece's JSON the first time it is asked (only a queued piece is)."""
+        data = self.data
+        if data is not None:
+            self.data = None
+            obj = orjson.loads(data)
+            key = _mergeable(obj, obj["choices"])
+            if key:
+                self.template = obj
+                self.text_key = key
+        return self.template is not None
+
+    def join(self, other: Piece) -> bool:
+        """Appends `other`'s deltas if both are plain content deltas of the same kind."""
+        if not (self.mergeable() and other.mergeable() and self.text_key == other.text_key):
+            return False
+        assert self.parts is not None and other.parts is not None
+        self.parts.extend(other.parts)
+        self.count += other.count
+        self.raw = None
+        return True
 
     def split(self, n: int) -> Piece:
-        """Takes the first n deltas off this piece and returns them as a piece of their own."""
-        assert self.parts is not None and 0 < n < len(self.parts)
-        head = Piece(None, self.parts[:n], self.template, self.text_key)
+        """Takes the first n deltas off this (merged) piece and returns them as a piece."""
+        assert self.parts is not None and 0 < n < self.count
+        head = Piece(None, self.parts[:n])
+        head.template = self.template
+        head.text_key = self.text_key
         self.parts = self.parts[n:]
+        self.count -= n
         self.raw = None
         return head
 
@@ -187,26 +228,73 @@ def _mergeable(obj: dict[str, Any], choices: list[dict[str, Any]]) -> str:
         return ""
     delta = choice.get("delta")
     if delta is None:
-        return "text" if isinstance(choice.get("text"), str) else ""
-    if len(delta) == 1 and isinstance(delta.get("content"), str):
+        return "text" if isinstance(choice.get("text"), str) and choice["text"] else ""
+    if len(delta) == 1 and isinstance(delta.get("content"), str) and delta["content"]:
         return "content"
     return ""
+
+
+# The fields of a streamed chunk the relay acts on, decoded (and the whole event validated as
+# JSON) by msgspec in about 1 us, a third of what a dict parse plus lookups costs. Events of any
+# other shape fail validation and take the general path (`EventParser._general`).
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    tool_calls: Any = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    function_call: Any = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+    logprobs: Any = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: dict[str, Any] | msgspec.UnsetType | None = msgspec.UNSET
+    error: Any = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_NULL_USAGE = b',"usage":null'
+
+
+def _has_content(choices: list[_Choice]) -> bool:
+    for c in choices:
+        d = c.delta
+        if d is None:
+            if c.text:
+                return True
+        elif d.content or d.tool_calls or d.reasoning_content or d.reasoning or d.function_call:
+            return True
+    return False
 
 
 class EventParser:
     """Upstream socket reads -> pieces, recording usage and the end of the stream."""
 
-    __slots__ = ("decoder", "strip_usage", "tally", "texts")
+    __slots__ = ("decoder", "record", "strip_usage", "tally")
 
     def __init__(self, tally: StreamTally, strip_usage: bool) -> None:
         self.tally = tally
-        #: Text of each content delta so far, when the stream may need a continuation
-        #: (tail.StreamGuard.resume); None: not recorded.
-        self.texts: list[str] | None = None
+        #: The JSON of each content delta so far, when the stream may need a continuation
+        #: (tail.StreamGuard.resume, which reads the texts back with `texts`); None: not kept.
+        self.record: list[bytes] | None = None
         #: The gateway asked the upstream for usage on the client's behalf; remove the
         #: usage-only chunk again so the client gets exactly what it asked for.
         self.strip_usage = strip_usage
         self.decoder = sse.SSEDecoder()
+
+    def texts(self) -> list[str]:
+        """The text of each content delta recorded so far (parsed only now: rarely needed)."""
+        out = []
+        for data in self.record or ():
+            obj = orjson.loads(data)
+            out.append(_choice_text(obj["choices"][0]))
+        return out
 
     def feed(self, chunk: bytes) -> list[Piece]:
         out: list[Piece] = []
@@ -220,56 +308,102 @@ class EventParser:
                 out.append(Piece(sse.DONE_EVENT))
                 continue
             try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
+                c = _decode_chunk(data)
+            except msgspec.ValidationError:
+                piece = self._general(data)  # valid JSON of another shape
+            except msgspec.DecodeError:
                 raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
-            if type(obj) is not dict:
-                raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
-            if "usage" in obj:
-                usage = obj["usage"]
-                if usage:
-                    tally.usage = usage
-                if self.strip_usage:
-                    if not obj.get("choices"):
-                        continue  # the usage-only chunk the client did not ask for
-                    # `"usage": null` is there only because we asked for usage. OpenAI-compatible
-                    # servers write it compactly; cutting the bytes avoids a re-serialisation.
-                    cut = data.replace(b',"usage":null', b"", 1)
-                    if len(cut) == len(data):
-                        del obj["usage"]
-                        cut = orjson.dumps(obj)
-                    else:
-                        del obj["usage"]
-                    data = cut
-            raw = b"data: " + data + b"\n\n"
-            choices = obj.get("choices")
-            if choices:
-                key = _mergeable(obj, choices)
-                if key:
-                    text = choices[0]["delta"]["content"] if key == "content" else choices[0][key]
-                    if text:
-                        out.append(Piece(raw, [text], obj, key))
-                        if self.texts is not None:
-                            self.texts.append(text)
-                        continue
-                piece = Piece(raw)
-                if _choices_have_content(choices):
-                    # Content that cannot merge (e.g. with a finish_reason): one token, as is.
-                    piece.parts = [_choice_text(choices[0])]
-                    if self.texts is not None:
-                        self.texts.append(piece.parts[0])
-                piece.finish_reason = choices[0].get("finish_reason")
-                if piece.finish_reason:
-                    tally.finished = True
-                out.append(piece)
             else:
-                piece = Piece(raw)
-                err = obj.get("error")
-                if isinstance(err, dict):
-                    piece.error = err
-                    tally.finished = True
+                piece = self._typed(c, data)
+            if piece is not None:
                 out.append(piece)
         return out
+
+    def _typed(self, c: _Chunk, data: bytes) -> Piece | None:
+        tally = self.tally
+        if c.usage is not msgspec.UNSET:
+            if c.usage:
+                tally.usage = c.usage
+            if self.strip_usage:
+                if not c.choices:
+                    return None  # the usage-only chunk the client did not ask for
+                data = _without_usage(data)
+        raw = b"data: " + data + b"\n\n"
+        choices = c.choices
+        if not choices:
+            piece = Piece(raw)
+            if isinstance(c.error, dict):
+                piece.error = c.error
+                tally.finished = True
+            return piece
+        first = choices[0]
+        if _has_content(choices):
+            piece = Piece(raw, [_text_of(first)])
+            if self.record is not None:
+                self.record.append(data)
+            if len(choices) == 1 and first.finish_reason is None and first.logprobs is None:
+                piece.data = data  # may merge: decided by `Piece.mergeable` if it queues
+        else:
+            piece = Piece(raw)
+        if first.finish_reason:
+            piece.finish_reason = first.finish_reason
+            tally.finished = True
+        return piece
+
+    def _general(self, data: bytes) -> Piece | None:
+        """A JSON event of a shape the typed decode refused: judged on the dict. Fields of
+        unexpected types are passed through, not acted on."""
+        tally = self.tally
+        obj = orjson.loads(data)
+        if type(obj) is not dict:
+            raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+        choices = obj.get("choices")
+        if not (isinstance(choices, list) and all(type(c) is dict for c in choices)):
+            choices = None
+        if "usage" in obj:
+            usage = obj["usage"]
+            if isinstance(usage, dict) and usage:
+                tally.usage = usage
+            if self.strip_usage:
+                if not choices:
+                    return None  # the usage-only chunk the client did not ask for
+                del obj["usage"]
+                data = orjson.dumps(obj)
+        piece = Piece(b"data: " + data + b"\n\n")
+        if choices:
+            try:
+                if _choices_have_content(choices):
+                    piece = Piece(piece.raw, [_choice_text(choices[0])])
+                    if self.record is not None:
+                        self.record.append(data)
+            except AttributeError:  # a delta that is not an object: no content we can read
+                pass
+            reason = choices[0].get("finish_reason")
+            if isinstance(reason, str) and reason:
+                piece.finish_reason = reason
+                tally.finished = True
+        elif isinstance(obj.get("error"), dict):
+            piece.error = obj["error"]
+            tally.finished = True
+        return piece
+
+
+def _without_usage(data: bytes) -> bytes:
+    # `"usage": null` is there only because we asked for usage. OpenAI-compatible servers
+    # write it compactly after the choices; cutting the bytes avoids a re-serialisation.
+    cut = data.replace(_NULL_USAGE, b"", 1)
+    if len(cut) == len(data):
+        obj = orjson.loads(data)
+        del obj["usage"]
+        cut = orjson.dumps(obj)
+    return cut
+
+
+def _text_of(choice: _Choice) -> str:
+    d = choice.delta
+    if d is None:
+        return choice.text or ""
+    return d.content or ""
 
 
 def _choice_text(choice: dict[str, Any]) -> str:
@@ -279,8 +413,18 @@ def _choice_text(choice: dict[str, Any]) -> str:
     return str(delta.get("content") or "")
 
 
+#: Most pieces one read may carry to be written by the reader; a read holding more is a backlog
+#: (the reader fell behind), which queues and leaves merged.
+DIRECT_MAX_PIECES = 8
+
+
 class Accumulator:
-    """The bounded queue between a stream's reader and writer (see the module docstring)."""
+    """The bounded queue between a stream's reader and writer (see the module docstring).
+
+    It also decides who writes: while the writer is parked with nothing queued, the client's
+    transport is empty and the gate allows, the reader writes the pieces itself (`deliver`),
+    saving a task switch per event; otherwise they queue here for the writer.
+    """
 
     #: Bytes queued in all accumulators of this process (the tokenpipe_stream_buffer_bytes gauge).
     total_bytes = 0
@@ -289,39 +433,81 @@ class Accumulator:
         "_data",
         "_drained",
         "closed",
+        "emit",
         "error",
+        "gate",
+        "idle",
         "merged",
         "paused_s",
         "pending",
+        "ready",
         "size",
+        "write_error",
     )
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        gate: FlowGate | None = None,
+        emit: Emit | None = None,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
         self.pending: deque[Piece] = deque()
         self.size = 0
         self.closed = False
         self.error: GatewayError | None = None
         self.merged = 0  # deltas merged into a neighbour
         self.paused_s = 0.0  # seconds the reader waited for the writer
+        self.gate = gate
+        #: Writes pieces to the client without waiting for it (`emit_now`), and says whether
+        #: it can take more (`ready`); the reader writes directly only when both are given.
+        self.emit = emit
+        self.ready = ready
+        self.idle = False  # the writer is parked in wait_data with nothing pending
+        self.write_error: BaseException | None = None  # a direct write failed (client gone)
         self._data = asyncio.Event()
         self._drained = asyncio.Event()
+
+    async def deliver(self, pieces: list[Piece]) -> None:
+        """The reader's hand-over: writes at once when nothing waits and the client keeps up,
+        else queues (merging) and waits while the queue is over its high watermark."""
+        if (
+            len(pieces) <= DIRECT_MAX_PIECES
+            and self.idle
+            and self.ready is not None
+            and self.ready()
+        ):
+            gate = self.gate
+            if gate is not None:
+                tokens = 0
+                for p in pieces:
+                    tokens += p.count
+                if tokens and gate.allowance()[0] < tokens:
+                    return await self._queue(pieces)
+                gate.consume(tokens)
+            assert self.emit is not None and not self.pending
+            try:
+                await self.emit(pieces)
+            except Exception as e:
+                self.write_error = e
+                raise
+            return None
+        return await self._queue(pieces)
+
+    async def _queue(self, pieces: list[Piece]) -> None:
+        for piece in pieces:
+            self.put(piece)
+        if self.size > HIGH_WATERMARK:
+            await self.wait_below_low()
 
     def put(self, piece: Piece) -> None:
         pending = self.pending
         # Content that queues behind content not yet sent joins it: whatever waits for the
         # client leaves as one event. Nothing waits when the client keeps up (the writer takes
         # each piece as it comes), so then events pass one for one, as the upstream sent them.
-        if piece.template is not None and pending:
+        if piece.count and pending:
             last = pending[-1]
-            if (
-                last.template is not None
-                and last.text_key == piece.text_key
-                and last.parts is not None
-                and piece.parts is not None
-            ):
-                last.parts.extend(piece.parts)
-                last.raw = None
-                grow = len(piece.parts[0]) + 8
+            if last.count and last.join(piece):
+                grow = sum(map(len, piece.parts or ())) + 8 * piece.count
                 last.size += grow
                 self.size += grow
                 Accumulator.total_bytes += grow
@@ -351,7 +537,11 @@ class Accumulator:
     async def wait_data(self) -> None:
         while not self.pending and not self.closed:
             self._data.clear()
-            await self._data.wait()
+            self.idle = True
+            try:
+                await self._data.wait()
+            finally:
+                self.idle = False
 
     def take(self, allowed: int) -> tuple[list[Piece], int]:
         """Takes pieces from the front: pieces without tokens always, content up to `allowed`
@@ -362,7 +552,7 @@ class Accumulator:
         freed = 0
         while pending:
             piece = pending[0]
-            n = piece.tokens
+            n = piece.count
             if n and tokens + n > allowed:
                 room = allowed - tokens
                 if room > 0 and n > 1:
@@ -400,7 +590,8 @@ async def read_upstream(
     acc: Accumulator,
     guard: StreamGuard | None = None,
 ) -> None:
-    """The reader: upstream bytes -> pieces in the accumulator, until the stream ends.
+    """The reader: upstream bytes -> pieces, delivered to the client or the accumulator,
+    until the stream ends.
 
     With a `guard` (tail control): the bytes read while racing for the first token come
     first; each read must arrive within the stall deadline; and a stream cut after content
@@ -409,7 +600,7 @@ async def read_upstream(
     tally = parser.tally
     error: GatewayError | None = None
     if guard is not None and guard.recorded:
-        parser.texts = []
+        parser.record = []
     try:
         while True:
             error, uresp = await _read_one(uresp, parser, acc, guard)
@@ -437,9 +628,9 @@ async def _read_one(
     try:
         if guard is None:
             async for chunk in uresp.content.iter_any():
-                for piece in parser.feed(chunk):
-                    acc.put(piece)
-                await acc.wait_below_low()
+                pieces = parser.feed(chunk)
+                if pieces:
+                    await acc.deliver(pieces)
         else:
             if not guard.raced:
                 guard.raced = True
@@ -456,34 +647,107 @@ async def _read_one(
     except TimeoutError:
         return GatewayError(504, "the upstream stopped sending", code="upstream_timeout"), uresp
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+        if acc.write_error is not None:
+            raise  # the client's side broke (aiohttp's reset error is a ClientConnectionError)
         return GatewayError(
             502, "the upstream connection broke", code="upstream_stream_truncated"
         ), uresp
     return None, uresp
 
 
+#: One read in this many adds its gap to the stall estimate: the quantiles stay the same,
+#: the per-read cost of the sketch falls by as much.
+GAP_SAMPLE_EVERY = 4
+
+
+class StallWatch:
+    """The stall deadline on each wait for an upstream read, with one timer per stream.
+
+    A timer per read (asyncio.timeout rescheduled twice per read) costs two timer-heap
+    operations per token; here a read only stamps its start, and the timer, when it fires,
+    checks the read in progress and sets itself again for that read's deadline. A read that
+    overruns cancels the reader, which `expired()` turns into a TimeoutError.
+    """
+
+    __slots__ = ("_base", "_handle", "expired", "guard", "reading", "since", "task")
+
+    def __init__(self, guard: StreamGuard) -> None:
+        self.guard = guard
+        self.task = asyncio.current_task()
+        assert self.task is not None
+        self._base = self.task.cancelling()
+        self._handle: asyncio.TimerHandle | None = None
+        self.since = 0.0  # guard clock time the read in progress started
+        self.reading = False
+        self.expired = False
+
+    def start(self, now: float) -> None:
+        self.since = now
+        self.reading = True
+        if self._handle is None:
+            self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        deadline = self.guard.read_deadline(self.since)
+        if deadline is not None:
+            delay = max(0.001, deadline - now)  # at least 1 ms: loop timers have ms resolution
+            self._handle = asyncio.get_running_loop().call_later(delay, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        if not self.reading:
+            return  # between reads (writing, backpressure): the next read sets it again
+        now = self.guard.now()
+        deadline = self.guard.read_deadline(self.since)
+        if deadline is not None and now >= deadline:
+            self.expired = True
+            assert self.task is not None
+            self.task.cancel()
+        else:
+            self._arm(now)
+
+    def timed_out(self) -> bool:
+        """After a CancelledError in the reader: was it this watch's (not a real cancel)?"""
+        assert self.task is not None
+        return self.expired and self.task.uncancel() <= self._base
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 async def _read_guarded(
     uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator, guard: StreamGuard
 ) -> None:
-    """Reads with the stall deadline on each gap between reads. Time spent waiting for a
+    """Reads with the stall deadline on each wait for the upstream. Time spent waiting for a
     slow client (backpressure) is not the upstream's gap and is not counted."""
     content = uresp.content
-    last = time.perf_counter()
-    async with asyncio.timeout(None) as scope:
+    watch = StallWatch(guard)
+    now = guard.now
+    feed = parser.feed
+    deliver = acc.deliver
+    reads = 0
+    try:
         while True:
-            limit = guard.read_timeout()
-            if limit is not None:
-                scope.reschedule(asyncio.get_running_loop().time() + limit)
+            start = now()
+            watch.start(start)
             chunk = await content.readany()
+            watch.reading = False
             if not chunk:
                 return
-            now = time.perf_counter()
-            guard.gap(now - last)
-            scope.reschedule(None)
-            for piece in parser.feed(chunk):
-                acc.put(piece)
-            await acc.wait_below_low()
-            last = time.perf_counter()
+            reads += 1
+            if reads % GAP_SAMPLE_EVERY == 1:
+                guard.gap(now() - start)
+            pieces = feed(chunk)
+            if pieces:
+                await deliver(pieces)
+    except asyncio.CancelledError:
+        if watch.timed_out():
+            raise TimeoutError from None
+        raise
+    finally:
+        watch.stop()
 
 
 Emit = Callable[[list[Piece]], Awaitable[None]]
@@ -493,12 +757,15 @@ async def pump(
     acc: Accumulator, gate: FlowGate | None, emit: Emit, gate_changed: asyncio.Event | None = None
 ) -> GatewayError | None:
     """The writer: sends what has accumulated as the gate allows. Returns the upstream's
-    error if the stream broke (after sending everything that arrived before it)."""
+    error if the stream broke (after sending everything that arrived before it); raises
+    what a direct write by the reader raised (the client went away)."""
     while True:
         if not acc.pending:
             if acc.closed:
                 if acc.merged:
                     metrics.STREAM_MERGED_DELTAS.inc(acc.merged)
+                if acc.write_error is not None:
+                    raise acc.write_error
                 return acc.error
             await acc.wait_data()
             continue
@@ -532,12 +799,16 @@ async def relay_stream(
     gate: FlowGate | None = None,
     gate_changed: asyncio.Event | None = None,
     guard: StreamGuard | None = None,
+    emit_now: Emit | None = None,
+    ready: Callable[[], bool] | None = None,
 ) -> GatewayError | None:
     """Runs reader and writer for one stream (`guard`: tail control, see read_upstream).
-    The reader never outlives this call: when the writer returns, fails (client gone) or is
-    cancelled, the reader is cancelled and awaited.
+    With `emit_now` (writes without waiting for the client) and `ready` (the client has
+    nothing waiting for it) the reader writes directly while the client keeps up (see
+    Accumulator). The reader never outlives this call: when the writer returns, fails
+    (client gone) or is cancelled, the reader is cancelled and awaited.
     (Not a TaskGroup: it would wrap the client's ConnectionResetError in an ExceptionGroup.)"""
-    acc = Accumulator()
+    acc = Accumulator(gate, emit_now, ready)
     reader = asyncio.create_task(read_upstream(uresp, parser, acc, guard))
     try:
         return await pump(acc, gate, emit, gate_changed)
@@ -547,30 +818,44 @@ async def relay_stream(
             await reader
         except asyncio.CancelledError:
             pass
+        except Exception as e:
+            if e is not acc.write_error:  # that one the writer raised already
+                raise
         acc.discard()
 
 
-def emit_sse(
-    response: Any, tally: StreamTally, drain: Callable[[], Awaitable[None]] | None = None
-) -> Emit:
-    """An emitter writing pieces as SSE bytes to an aiohttp StreamResponse.
+def emit_sse(writer: Any, tally: StreamTally) -> tuple[Emit, Emit]:
+    """Emitters writing pieces as SSE bytes to an aiohttp response's writer (`request.writer`,
+    after `prepare()`): (emit, emit_now).
 
-    `drain` (the request writer's) waits while the socket's send buffer is over its high
+    `emit` (the writer task's) then waits while the socket's send buffer is over its high
     watermark: aiohttp itself checks only every 64 KiB, which would park a stale backlog of
-    un-merged events in front of a slow client.
+    un-merged events in front of a slow client. `emit_now` (the reader's) never waits: the
+    reader must go on reading and merging while a client falls behind.
     """
 
-    async def emit(pieces: list[Piece]) -> None:
+    def encode(pieces: list[Piece]) -> bytes:
+        if len(pieces) == 1:
+            piece = pieces[0]
+            if piece.count:
+                tally.observe_content(time.perf_counter())
+                tally.deltas += piece.count
+            return piece.event()
         now = 0.0
         out = []
         for piece in pieces:
-            if piece.parts:
+            if piece.count:
                 now = now or time.perf_counter()
                 tally.observe_content(now)
-                tally.deltas += len(piece.parts)
+                tally.deltas += piece.count
             out.append(piece.event())
-        await response.write(b"".join(out))
-        if drain is not None:
-            await drain()
+        return b"".join(out)
 
-    return emit
+    async def emit(pieces: list[Piece]) -> None:
+        await writer.write(encode(pieces))
+        await writer.drain()
+
+    async def emit_now(pieces: list[Piece]) -> None:
+        await writer.write(encode(pieces), drain=False)
+
+    return emit, emit_now

@@ -138,6 +138,8 @@ class TailControl:
         }
         for name in self.breakers:
             metrics.UPSTREAM_STATE.labels(name).set(0)
+        #: Some upstream continues a trailing assistant message (chat recovery is possible).
+        self.continues_chat = any(u.settings.continue_final_message for u in router.upstreams)
         # (upstream, model, prompt class) -> TTFT; (upstream, model) -> gaps between reads.
         self._ttft: dict[tuple[str, str, int], RollingQuantiles] = {}
         self._gap: dict[tuple[str, str], RollingQuantiles] = {}
@@ -538,7 +540,12 @@ class StreamGuard:
         # (bounded: one hedge, retries.max_attempts, recovery.max_continuations).
         self.responses: list[aiohttp.ClientResponse] = []
         self._side: list[Ticket] = []
-        self.recorded = tail.settings.recovery.enabled and continuable(path, obj)
+        # Content deltas are recorded only when a cut stream could continue somewhere.
+        self.recorded = (
+            tail.settings.recovery.enabled
+            and continuable(path, obj)
+            and (path != "/chat/completions" or tail.continues_chat)
+        )
 
     # -- before the first token --------------------------------------------------------------
 
@@ -558,6 +565,23 @@ class StreamGuard:
         hedge_at = None
         if hedging.enabled:
             hedge_at = self.sent_at + tail.hedge_delay(self.upstream.name, self.model, self.cls)
+        # Most first responses bring content before the hedge delay: read inline (no task, no
+        # wait set) until the earlier of hedge time and TTFT deadline; the race below starts
+        # only when that passes.
+        due = [t for t in (hedge_at, ttft_end) if t is not None]
+        scope = asyncio.timeout(None if not due else max(0.0, min(due) - now))
+        try:
+            async with scope:
+                await _until_content(uresp, parser, acc)
+        except TimeoutError:
+            if not scope.expired():
+                raise  # not ours: aiohttp's own read timeout (a TimeoutError too)
+        except Exception as e:
+            if acc.write_error is not None or isinstance(e, sse.SSEProtocolError):
+                raise
+            return await self._primary_broke(uresp, parser, acc)
+        else:
+            return self._primary_won(uresp, None)
         primary: asyncio.Task[None] | None = asyncio.create_task(_until_content(uresp, parser, acc))
         hedge: asyncio.Task[Attempt] | None = None
         try:
@@ -574,21 +598,15 @@ class StreamGuard:
                 now = tail.clock.now()
                 if primary in done:
                     primary_task, primary = primary, None
-                    if primary_task.exception() is None:
-                        # The first response produced content (or ended): it wins.
-                        tail.ttft_estimate(self.upstream.name, self.model, self.cls).add(
-                            now - self.sent_at
-                        )
-                        tail._healthy(self.upstream.name)
-                        if hedge is not None:
-                            metrics.HEDGES.labels("lost").inc()
-                        return uresp
-                    if isinstance(primary_task.exception(), sse.SSEProtocolError):
-                        raise primary_task.exception()  # type: ignore[misc]
+                    exc = primary_task.exception()
+                    if exc is None:
+                        return self._primary_won(uresp, hedge)
+                    if acc.write_error is not None or isinstance(exc, sse.SSEProtocolError):
+                        raise exc  # the client went away, or the upstream's bytes are broken
+                    if hedge is None:
+                        return await self._primary_broke(uresp, parser, acc)
                     tail._unhealthy(self.upstream.name)  # broke before any content
                     self.ticket.failed(502)
-                    if hedge is None:
-                        return await self._retry(uresp, parser, acc, "connect", _broke())
                 if hedge is not None and hedge in done:
                     a = hedge.result()
                     hedge = None
@@ -642,6 +660,27 @@ class StreamGuard:
             for t in (primary, hedge):
                 if t is not None:
                     await _cancel(t)
+
+    def _primary_won(
+        self, uresp: aiohttp.ClientResponse, hedge: asyncio.Task[Attempt] | None
+    ) -> aiohttp.ClientResponse:
+        """The first response produced content (or ended) first: it is read on."""
+        tail = self._tail
+        tail.ttft_estimate(self.upstream.name, self.model, self.cls).add(
+            tail.clock.now() - self.sent_at
+        )
+        tail._healthy(self.upstream.name)
+        if hedge is not None:
+            metrics.HEDGES.labels("lost").inc()
+        return uresp
+
+    async def _primary_broke(
+        self, uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator
+    ) -> aiohttp.ClientResponse:
+        """The first response broke before any content and no hedge is out: retry."""
+        self._tail._unhealthy(self.upstream.name)
+        self.ticket.failed(502)
+        return await self._retry(uresp, parser, acc, "connect", _broke())
 
     async def _hedge(self) -> Attempt | None:
         """A second attempt for a request with no first token yet, if the budget allows."""
@@ -743,7 +782,7 @@ class StreamGuard:
             for piece in parser.feed(chunk):
                 if (
                     not content
-                    and not piece.parts
+                    and not piece.count
                     and piece.error is None
                     and piece.finish_reason is None
                     and piece.raw != sse.DONE_EVENT
@@ -755,13 +794,17 @@ class StreamGuard:
 
     # -- after it ----------------------------------------------------------------------------
 
-    def read_timeout(self) -> float | None:
-        """Seconds the next read may take: the stall deadline, or less near the end of the
-        whole-request deadline."""
-        if self.end_at is None:
-            return self.stall
-        left = max(0.0, self.end_at - self._tail.clock.now())
-        return left if self.stall is None else min(self.stall, left)
+    def now(self) -> float:
+        """The time of deadlines and gaps (the tail clock, seconds)."""
+        return self._tail.clock.now()
+
+    def read_deadline(self, since: float) -> float | None:
+        """When a read that started at `since` times out: the stall deadline after it, or
+        the end of the whole-request deadline if sooner; None: never."""
+        end = None if self.stall is None else since + self.stall
+        if self.end_at is not None:
+            end = self.end_at if end is None else min(end, self.end_at)
+        return end
 
     def gap(self, seconds: float) -> None:
         self._tail.gap_estimate(self.upstream.name, self.model).add(seconds)
@@ -777,7 +820,7 @@ class StreamGuard:
         relay then ends the stream with an error event that counts what was delivered)."""
         tail = self._tail
         tail._unhealthy(self.upstream.name)
-        texts = parser.texts
+        texts = parser.texts()
         rec = tail.settings.recovery
         if not self.recorded or not texts:
             return None
@@ -847,14 +890,15 @@ async def _until_content(
     """Reads the first response into the accumulator until content, an error, a finish or
     the end (the relay's normal reading takes over from there)."""
     async for chunk in uresp.content.iter_any():
-        done = False
-        for piece in parser.feed(chunk):
-            acc.put(piece)
-            if piece.parts or piece.error is not None or piece.finish_reason is not None:
-                done = True
-        if done or parser.tally.done:
+        pieces = parser.feed(chunk)
+        if not pieces:
+            continue
+        await acc.deliver(pieces)
+        if parser.tally.done:
             return
-        await acc.wait_below_low()
+        for piece in pieces:
+            if piece.count or piece.error is not None or piece.finish_reason is not None:
+                return
 
 
 def _retry_after(headers: Mapping[str, str]) -> float:

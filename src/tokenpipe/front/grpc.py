@@ -207,14 +207,14 @@ class _Session:
             async def emit(pieces: list[Piece]) -> None:
                 now = 0.0
                 for piece in pieces:
-                    if piece.parts:
+                    if piece.count:
                         now = now or time.perf_counter()
                         call.tally.observe_content(now)
-                        call.tally.deltas += len(piece.parts)
+                        call.tally.deltas += piece.count
                         await self.send(
                             chat_pb2.ServerMessage(
                                 request_id=rid,
-                                delta=chat_pb2.Delta(content=piece.text, tokens=len(piece.parts)),
+                                delta=chat_pb2.Delta(content=piece.text, tokens=piece.count),
                             )
                         )
                     if piece.finish_reason:

@@ -12,7 +12,6 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
 
@@ -173,7 +172,7 @@ async def _completion(
         )
         _bound_client_buffers(request, gw.settings.server.stream_send_buffer_bytes)
         await sse_response.prepare(request)
-        status = await _relay_sse(call, sse_response, gate, request.writer.drain)
+        status = await _relay_sse(call, sse_response, gate, request)
         return sse_response
     finally:
         call.close(status)
@@ -236,20 +235,23 @@ async def _unary(
 
 
 async def _relay_sse(
-    call: Call,
-    response: web.StreamResponse,
-    gate: FlowGate | None,
-    drain: Callable[[], Awaitable[None]],
+    call: Call, response: web.StreamResponse, gate: FlowGate | None, request: web.Request
 ) -> int:
     """Returns the status to record. Errors after the first byte become an SSE error event."""
     tally = call.tally
+    transport = request.transport
+    # The reader may write itself while nothing waits in the event loop's send buffer.
+    ready = None if transport is None else lambda: transport.get_write_buffer_size() == 0
+    emit, emit_now = emit_sse(request.writer, tally)
     try:
         error = await relay_stream(
             call.uresp,
             EventParser(tally, call.strip_usage),
-            emit_sse(response, tally, drain),
+            emit,
             gate,
             guard=call.guard,
+            emit_now=emit_now,
+            ready=ready,
         )
         if error is not None:
             error.message = _cut_message(tally, error.message)
