@@ -134,16 +134,16 @@ class Piece:
     """One upstream event, or several neighbouring content deltas merged.
 
     `count` is the content deltas (tokens) it carries; `parts` their texts. `raw` is the event
-    as received (and sent when the piece was not merged or split). A piece that may merge keeps
-    its JSON in `data` and is parsed into `template` (from which a merged event is rebuilt) only
-    when it does merge, which happens only while a client is behind.
+    as received (and sent when the piece was not merged or split). A piece that `may_merge` is
+    parsed into `template` (from which a merged event is rebuilt) only when it does merge,
+    which happens only while a client is behind.
     """
 
     __slots__ = (
         "count",
-        "data",
         "error",
         "finish_reason",
+        "may_merge",
         "parts",
         "raw",
         "size",
@@ -151,17 +151,13 @@ class Piece:
         "text_key",
     )
 
-    def __init__(
-        self,
-        raw: bytes | None,
-        parts: list[str] | None = None,
-        data: bytes | None = None,
-    ) -> None:
+    def __init__(self, raw: bytes | None, parts: list[str] | None = None) -> None:
         self.raw = raw
         self.parts = parts
         self.count = len(parts) if parts is not None else 0
-        #: The event's JSON while it may still merge (see `mergeable`); None: it cannot.
-        self.data = data
+        #: A one-choice content delta not yet parsed: `mergeable` parses it (`raw` is then
+        #: `data: <JSON>\n\n`).
+        self.may_merge = False
         self.template: dict[str, Any] | None = None
         #: "content" (chat delta) or "text" (completion) once known mergeable; "" unknown/never.
         self.text_key = ""
@@ -171,10 +167,10 @@ class Piece:
 
     def mergeable(self) -> bool:
         """Parses the piece's JSON the first time it is asked (only a queued piece is)."""
-        data = self.data
-        if data is not None:
-            self.data = None
-            obj = orjson.loads(data)
+        if self.may_merge:
+            self.may_merge = False
+            assert self.raw is not None
+            obj = orjson.loads(self.raw[6:-2])
             key = _mergeable(obj, obj["choices"])
             if key:
                 self.template = obj
@@ -259,6 +255,7 @@ class _Chunk(msgspec.Struct):
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
+UNSET = msgspec.UNSET
 _NULL_USAGE = b',"usage":null'
 
 
@@ -297,6 +294,16 @@ class EventParser:
         return out
 
     def feed(self, chunk: bytes) -> list[Piece]:
+        # Fast path: a read holding exactly one whole event of the usual shape.
+        data = self.decoder.feed_one(chunk)
+        if data is not None and data != sse.DONE:
+            try:
+                c = _decode_chunk(data)
+            except msgspec.DecodeError:
+                pass  # another shape, or not JSON: the general path judges it
+            else:
+                piece = self._typed(c, data, chunk)
+                return [] if piece is None else [piece]
         out: list[Piece] = []
         tally = self.tally
         for data, comment, _ in self.decoder.feed(chunk):
@@ -314,21 +321,33 @@ class EventParser:
             except msgspec.DecodeError:
                 raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
             else:
-                piece = self._typed(c, data)
+                piece = self._typed(c, data, None)
             if piece is not None:
                 out.append(piece)
         return out
 
-    def _typed(self, c: _Chunk, data: bytes) -> Piece | None:
+    def _typed(self, c: _Chunk, data: bytes, raw: bytes | None) -> Piece | None:
+        """A decoded chunk -> its piece. `raw`: the event's bytes as read, if they are
+        exactly `data: <data>\n\n` (saves rebuilding them)."""
         tally = self.tally
-        if c.usage is not msgspec.UNSET:
+        if c.usage is not UNSET:
             if c.usage:
                 tally.usage = c.usage
             if self.strip_usage:
                 if not c.choices:
                     return None  # the usage-only chunk the client did not ask for
-                data = _without_usage(data)
-        raw = b"data: " + data + b"\n\n"
+                # `"usage":null` is there only because we asked for usage. OpenAI-compatible
+                # servers write it compactly after the choices; cutting the bytes saves a
+                # re-serialisation.
+                cut = None if raw is None else raw.replace(_NULL_USAGE, b"", 1)
+                if cut is not None and len(cut) != len(raw):  # type: ignore[arg-type]
+                    raw = cut
+                    data = raw[6:-2]
+                else:
+                    data = _without_usage(data)
+                    raw = None
+        if raw is None:
+            raw = b"data: " + data + b"\n\n"
         choices = c.choices
         if not choices:
             piece = Piece(raw)
@@ -337,12 +356,23 @@ class EventParser:
                 tally.finished = True
             return piece
         first = choices[0]
+        if len(choices) == 1:
+            delta = first.delta
+            text = first.text if delta is None else delta.content
+            if text:  # the usual chunk: one choice, plain text
+                piece = Piece(raw, [text])
+                if self.record is not None:
+                    self.record.append(data)
+                if first.finish_reason:
+                    piece.finish_reason = first.finish_reason
+                    tally.finished = True
+                elif first.finish_reason is None and first.logprobs is None:
+                    piece.may_merge = True  # decided by `Piece.mergeable` if it queues
+                return piece
         if _has_content(choices):
             piece = Piece(raw, [_text_of(first)])
             if self.record is not None:
                 self.record.append(data)
-            if len(choices) == 1 and first.finish_reason is None and first.logprobs is None:
-                piece.data = data  # may merge: decided by `Piece.mergeable` if it queues
         else:
             piece = Piece(raw)
         if first.finish_reason:
@@ -389,8 +419,6 @@ class EventParser:
 
 
 def _without_usage(data: bytes) -> bytes:
-    # `"usage": null` is there only because we asked for usage. OpenAI-compatible servers
-    # write it compactly after the choices; cutting the bytes avoids a re-serialisation.
     cut = data.replace(_NULL_USAGE, b"", 1)
     if len(cut) == len(data):
         obj = orjson.loads(data)
@@ -664,51 +692,43 @@ class StallWatch:
     """The stall deadline on each wait for an upstream read, with one timer per stream.
 
     A timer per read (asyncio.timeout rescheduled twice per read) costs two timer-heap
-    operations per token; here a read only stamps its start, and the timer, when it fires,
-    checks the read in progress and sets itself again for that read's deadline. A read that
-    overruns cancels the reader, which `expired()` turns into a TimeoutError.
+    operations per token; here a read only stamps its start (`since`, `reading`), and the
+    timer, when it fires, checks the read in progress and sets itself again for that read's
+    deadline. A read that overruns cancels the reader, which `timed_out()` recognises.
     """
 
     __slots__ = ("_base", "_handle", "expired", "guard", "reading", "since", "task")
 
     def __init__(self, guard: StreamGuard) -> None:
         self.guard = guard
-        self.task = asyncio.current_task()
-        assert self.task is not None
-        self._base = self.task.cancelling()
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self._base = task.cancelling()
         self._handle: asyncio.TimerHandle | None = None
         self.since = 0.0  # guard clock time the read in progress started
         self.reading = False
         self.expired = False
 
-    def start(self, now: float) -> None:
-        self.since = now
-        self.reading = True
-        if self._handle is None:
-            self._arm(now)
-
-    def _arm(self, now: float) -> None:
-        deadline = self.guard.read_deadline(self.since)
-        if deadline is not None:
-            delay = max(0.001, deadline - now)  # at least 1 ms: loop timers have ms resolution
-            self._handle = asyncio.get_running_loop().call_later(delay, self._fire)
+    def arm(self) -> None:
+        """Sets the timer for the read in progress (the reader calls it when `_handle` is
+        None: the first read, or the timer fired between reads)."""
+        delay = self.guard.read_deadline(self.since) - self.guard.now()
+        # At least 1 ms: loop timers have millisecond resolution.
+        self._handle = asyncio.get_running_loop().call_later(max(0.001, delay), self._fire)
 
     def _fire(self) -> None:
         self._handle = None
         if not self.reading:
             return  # between reads (writing, backpressure): the next read sets it again
-        now = self.guard.now()
-        deadline = self.guard.read_deadline(self.since)
-        if deadline is not None and now >= deadline:
+        if self.guard.now() >= self.guard.read_deadline(self.since):
             self.expired = True
-            assert self.task is not None
             self.task.cancel()
         else:
-            self._arm(now)
+            self.arm()
 
     def timed_out(self) -> bool:
         """After a CancelledError in the reader: was it this watch's (not a real cancel)?"""
-        assert self.task is not None
         return self.expired and self.task.uncancel() <= self._base
 
     def stop(self) -> None:
@@ -722,7 +742,7 @@ async def _read_guarded(
 ) -> None:
     """Reads with the stall deadline on each wait for the upstream. Time spent waiting for a
     slow client (backpressure) is not the upstream's gap and is not counted."""
-    content = uresp.content
+    readany = uresp.content.readany
     watch = StallWatch(guard)
     now = guard.now
     feed = parser.feed
@@ -730,9 +750,11 @@ async def _read_guarded(
     reads = 0
     try:
         while True:
-            start = now()
-            watch.start(start)
-            chunk = await content.readany()
+            watch.since = start = now()
+            watch.reading = True
+            if watch._handle is None:
+                watch.arm()
+            chunk = await readany()
             watch.reading = False
             if not chunk:
                 return
@@ -824,14 +846,18 @@ async def relay_stream(
         acc.discard()
 
 
-def emit_sse(writer: Any, tally: StreamTally) -> tuple[Emit, Emit]:
-    """Emitters writing pieces as SSE bytes to an aiohttp response's writer (`request.writer`,
-    after `prepare()`): (emit, emit_now).
+def emit_sse(response: Any, writer: Any, tally: StreamTally) -> tuple[Emit, Emit]:
+    """Emitters writing pieces as SSE bytes to a prepared aiohttp StreamResponse and its
+    `writer` (`request.writer`): (emit, emit_now).
 
     `emit` (the writer task's) then waits while the socket's send buffer is over its high
     watermark: aiohttp itself checks only every 64 KiB, which would park a stale backlog of
     un-merged events in front of a slow client. `emit_now` (the reader's) never waits: the
-    reader must go on reading and merging while a client falls behind.
+    reader must go on reading and merging while a client falls behind. On a chunked
+    response (HTTP/1.1, no compression) it frames the chunk itself and hands it to the
+    transport in one call: aiohttp's writer takes five Python frames per write for the same
+    bytes, and this runs once per token. The headers go out first (`start`), so nothing of
+    aiohttp's is left to send before the body.
     """
 
     def encode(pieces: list[Piece]) -> bytes:
@@ -852,10 +878,22 @@ def emit_sse(writer: Any, tally: StreamTally) -> tuple[Emit, Emit]:
         return b"".join(out)
 
     async def emit(pieces: list[Piece]) -> None:
-        await writer.write(encode(pieces))
+        await response.write(encode(pieces))
         await writer.drain()
 
-    async def emit_now(pieces: list[Piece]) -> None:
-        await writer.write(encode(pieces), drain=False)
+    transport = writer.transport
+    chunked = response.headers.get("Transfer-Encoding") == "chunked"  # set by prepare()
+    if not chunked or response.compression or transport is None:
 
-    return emit, emit_now
+        async def emit_now(pieces: list[Piece]) -> None:
+            await response.write(encode(pieces))
+
+        return emit, emit_now
+
+    async def emit_now_framed(pieces: list[Piece]) -> None:
+        data = encode(pieces)
+        if transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    return emit, emit_now_framed

@@ -259,10 +259,13 @@ class TailControl:
             a.fatal = e
             return a
         a.sent_at = self.clock.now()
+        if stream:  # the upstream's fixed read timeout bounds the wait for the first token
+            cap = a.upstream.settings.read_timeout_seconds
+            deadline = cap if deadline is None else min(deadline, cap)
         try:
             async with asyncio.timeout(deadline):
                 try:
-                    resp = await a.upstream.post(path, body, request_id)
+                    resp = await a.upstream.post(path, body, request_id, stream)
                 except GatewayError as e:
                     a.error, a.reason = e, "connect"
                     a.ticket.failed(e.status)
@@ -497,6 +500,7 @@ class StreamGuard:
         "continuations",
         "end_at",
         "model",
+        "now",
         "obj",
         "path",
         "raced",
@@ -535,6 +539,8 @@ class StreamGuard:
         self.cls = prompt_class(ticket.cost.prompt)
         self.stall = tail.stall_deadline(upstream.name, model)  # seconds, None: off
         self.continuations = 0
+        #: The time of deadlines and gaps (the tail clock, seconds).
+        self.now = tail.clock.now
         self.raced = False  # first_content ran (the relay's reader sets it)
         # Hedge, retry and continuation responses and their tickets, closed with the request
         # (bounded: one hedge, retries.max_attempts, recovery.max_continuations).
@@ -562,6 +568,9 @@ class StreamGuard:
         ttft_end = None if ttft is None else self.sent_at + ttft
         if self.end_at is not None:
             ttft_end = self.end_at if ttft_end is None else min(ttft_end, self.end_at)
+        # The upstream's fixed read timeout bounds the wait whatever the adaptive deadline.
+        cap = self.sent_at + self.upstream.settings.read_timeout_seconds
+        ttft_end = cap if ttft_end is None else min(ttft_end, cap)
         hedge_at = None
         if hedging.enabled:
             hedge_at = self.sent_at + tail.hedge_delay(self.upstream.name, self.model, self.cls)
@@ -794,14 +803,12 @@ class StreamGuard:
 
     # -- after it ----------------------------------------------------------------------------
 
-    def now(self) -> float:
-        """The time of deadlines and gaps (the tail clock, seconds)."""
-        return self._tail.clock.now()
-
-    def read_deadline(self, since: float) -> float | None:
+    def read_deadline(self, since: float) -> float:
         """When a read that started at `since` times out: the stall deadline after it, or
-        the end of the whole-request deadline if sooner; None: never."""
-        end = None if self.stall is None else since + self.stall
+        the end of the whole-request deadline if sooner."""
+        # The upstream's fixed read timeout bounds it whatever the adaptive deadline.
+        cap = self.upstream.settings.read_timeout_seconds
+        end = since + (cap if self.stall is None else min(self.stall, cap))
         if self.end_at is not None:
             end = self.end_at if end is None else min(end, self.end_at)
         return end

@@ -172,6 +172,9 @@ async def _completion(
         )
         _bound_client_buffers(request, gw.settings.server.stream_send_buffer_bytes)
         await sse_response.prepare(request)
+        # aiohttp holds the headers back to send them with the first body bytes; send them
+        # now (the client sees the response start, and the relay may write the body itself).
+        await sse_response.write(b"")
         status = await _relay_sse(call, sse_response, gate, request)
         return sse_response
     finally:
@@ -242,7 +245,7 @@ async def _relay_sse(
     transport = request.transport
     # The reader may write itself while nothing waits in the event loop's send buffer.
     ready = None if transport is None else lambda: transport.get_write_buffer_size() == 0
-    emit, emit_now = emit_sse(request.writer, tally)
+    emit, emit_now = emit_sse(response, request.writer, tally)
     try:
         error = await relay_stream(
             call.uresp,

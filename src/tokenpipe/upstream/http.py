@@ -6,6 +6,7 @@ header, URL or key is forwarded (except the request id, which the gateway itself
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextvars import ContextVar
@@ -36,6 +37,9 @@ class HttpUpstream:
         self.name = settings.name
         self.base_url = settings.url.rstrip("/")
         self._session: aiohttp.ClientSession | None = None
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, connect=settings.connect_timeout_seconds, sock_read=None
+        )
         self._headers = {"content-type": "application/json", "accept": "text/event-stream"}
         key = settings.api_key()
         if key:
@@ -68,11 +72,18 @@ class HttpUpstream:
             await self._session.close()
             self._session = None
 
-    async def post(self, path: str, body: bytes, request_id: str) -> aiohttp.ClientResponse:
+    async def post(
+        self, path: str, body: bytes, request_id: str, stream: bool = False
+    ) -> aiohttp.ClientResponse:
         """Sends a request and returns once the response headers arrived.
 
         Raises GatewayError 502 when the upstream cannot be reached, 504 when it does not answer
         in time. The caller owns the response and must close or release it.
+
+        `stream`: the caller bounds each read of the body itself (tail.StreamGuard: the stall
+        deadline, else `read_timeout_seconds`, one timer per stream); aiohttp's own read
+        timeout would re-arm a timer on every chunk, i.e. every token. The wait for the
+        headers keeps the read timeout.
         """
         headers = dict(self._headers)
         headers["x-request-id"] = request_id
@@ -80,9 +91,18 @@ class HttpUpstream:
         if pace:
             headers[PACE_HEADER] = f"{pace:g}"
         try:
-            return await self.session.post(
-                self.base_url + path, data=body, headers=headers, allow_redirects=False
-            )
+            if not stream:
+                return await self.session.post(
+                    self.base_url + path, data=body, headers=headers, allow_redirects=False
+                )
+            async with asyncio.timeout(self.settings.read_timeout_seconds):
+                return await self.session.post(
+                    self.base_url + path,
+                    data=body,
+                    headers=headers,
+                    allow_redirects=False,
+                    timeout=self._stream_timeout,
+                )
         except TimeoutError:
             raise GatewayError(
                 504, f"Upstream '{self.name}' did not answer in time.", code="upstream_timeout"
