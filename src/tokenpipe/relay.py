@@ -498,9 +498,12 @@ class Accumulator:
     async def deliver(self, pieces: list[Piece]) -> None:
         """The reader's hand-over: writes at once when nothing waits and the client keeps up,
         else queues (merging) and waits while the queue is over its high watermark."""
+        # `pending` empty as well as `idle`: a put wakes the writer, which is still marked
+        # idle until it runs; what it has to send must go first.
         if (
-            len(pieces) <= DIRECT_MAX_PIECES
+            not self.pending
             and self.idle
+            and len(pieces) <= DIRECT_MAX_PIECES
             and self.ready is not None
             and self.ready()
         ):
@@ -512,7 +515,7 @@ class Accumulator:
                 if tokens and gate.allowance()[0] < tokens:
                     return await self._queue(pieces)
                 gate.consume(tokens)
-            assert self.emit is not None and not self.pending
+            assert self.emit is not None
             try:
                 await self.emit(pieces)
             except Exception as e:

@@ -261,6 +261,12 @@ async def _relay_sse(
             await response.write(sse.encode(error.json()) + sse.DONE_EVENT)
     except ConnectionResetError:
         return CLIENT_CLOSED
+    except Exception:
+        # A bug of ours mid-stream: the client still gets an error event and the end of the
+        # stream, not a response that never ends (the middleware cannot answer any more).
+        log.exception("internal error while streaming")
+        error = GatewayError(500, _cut_message(tally, "internal error in the gateway"))
+        await response.write(sse.encode(error.json()) + sse.DONE_EVENT)
     await response.write_eof()
     return 200 if error is None else error.status
 

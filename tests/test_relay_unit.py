@@ -1,0 +1,128 @@
+"""The relay's per-event logic on its own: parsing (fast and general paths agree), merging,
+and who writes (the reader only when nothing is queued)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import orjson
+import pytest
+
+from tokenpipe import sse
+from tokenpipe.relay import Accumulator, EventParser, Piece, StreamTally
+
+
+def _chunk(delta: dict | None = None, finish: str | None = None, **extra: object) -> bytes:
+    choice: dict = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+    obj = {"id": "c1", "object": "chat.completion.chunk", "choices": [choice], **extra}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+STREAM = [
+    _chunk({"role": "assistant", "content": ""}, usage=None),
+    *(_chunk({"content": f" w{i}"}, usage=None) for i in range(20)),
+    _chunk({}, "stop", usage=None),
+    b'data: {"id":"c1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":20}}\n\n',
+    sse.DONE_EVENT,
+]
+
+
+def _parse(reads: list[bytes], strip: bool) -> tuple[list[Piece], StreamTally]:
+    tally = StreamTally("u", "m", time.perf_counter())
+    parser = EventParser(tally, strip)
+    pieces: list[Piece] = []
+    for r in reads:
+        pieces += parser.feed(r)
+    return pieces, tally
+
+
+@pytest.mark.parametrize("strip", [True, False])
+def test_any_split_of_the_reads_gives_the_same_events_text_and_usage(strip: bool) -> None:
+    whole, tally = _parse(STREAM, strip)  # one event per read: the fast path
+    body = b"".join(STREAM)
+    rng = random.Random(5)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(body)), 12))
+        reads = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
+        split, t2 = _parse(reads, strip)  # the general path
+        assert [p.event() for p in split] == [p.event() for p in whole]
+        assert [p.count for p in split] == [p.count for p in whole]
+        assert t2.usage == tally.usage == {"prompt_tokens": 3, "completion_tokens": 20}
+        assert t2.done and t2.finished
+    text = "".join(p.text for p in whole)
+    assert text == "".join(f" w{i}" for i in range(20))
+    if strip:  # what the gateway asked for on the client's behalf is gone again
+        assert all(b"usage" not in p.event() for p in whole)
+        assert len(whole) == len(STREAM) - 1
+    else:
+        assert len(whole) == len(STREAM)
+
+
+def test_shapes_the_typed_decode_refuses_are_judged_on_the_dict() -> None:
+    two_choices = orjson.dumps(
+        {"choices": [{"index": 0, "delta": {"content": "a"}}, {"index": 1, "delta": "odd"}]}
+    )
+    tool = _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]})
+    error = b'data: {"error":{"message":"overloaded","type":"server_error"}}\n\n'
+    pieces, tally = _parse([b"data: " + two_choices + b"\n\n", tool, error], True)
+    assert [p.count for p in pieces] == [1, 1, 0]
+    assert pieces[0].text == "a"
+    assert pieces[2].error == {"message": "overloaded", "type": "server_error"}
+    assert tally.finished
+
+
+@pytest.mark.parametrize("bad", [b"data: {not json\n\n", b"data: [1,2]\n\n"])
+def test_broken_events_are_protocol_errors(bad: bytes) -> None:
+    with pytest.raises(sse.SSEProtocolError):
+        _parse([bad], False)
+
+
+def test_crlf_and_comment_events_pass() -> None:
+    pieces, _ = _parse(
+        [b": ping\r\n\r\n" + _chunk({"content": "x"}).replace(b"\n", b"\r\n")], False
+    )
+    assert pieces[0].event() == b": ping\n\n" and pieces[1].text == "x"
+
+
+def test_queued_content_merges_into_one_event_with_the_same_text() -> None:
+    pieces, _ = _parse(STREAM, True)
+    acc = Accumulator()
+    for p in pieces:
+        acc.put(p)
+    out, tokens = acc.take(1 << 30)
+    assert tokens == 20
+    # role chunk, one merged content event, finish, [DONE]
+    assert len(out) == 4 and out[1].count == 20
+    merged = orjson.loads(out[1].event()[6:-2])
+    assert merged["choices"][0]["delta"] == {"content": "".join(f" w{i}" for i in range(20))}
+    # Split by a credit of 5: the first 5 deltas, then the rest, nothing lost.
+    again, _ = _parse(STREAM, True)
+    acc = Accumulator()
+    for p in again[1:21]:
+        acc.put(p)
+    head, n = acc.take(5)
+    rest, m = acc.take(1 << 30)
+    assert (n, m) == (5, 15)
+    assert "".join(p.text for p in head + rest) == "".join(f" w{i}" for i in range(20))
+
+
+async def test_the_reader_writes_itself_only_when_nothing_is_queued() -> None:
+    written: list[bytes] = []
+
+    async def emit(pieces: list[Piece]) -> None:
+        written.extend(p.event() for p in pieces)
+
+    acc = Accumulator(None, emit, lambda: True)
+    pieces, _ = _parse(STREAM[:4], False)
+    waiter = asyncio.create_task(acc.wait_data())
+    await asyncio.sleep(0)  # the writer parks: idle, nothing pending
+    assert acc.idle
+    await acc.deliver([pieces[0]])
+    assert written == [pieces[0].event()] and not acc.pending  # written by the reader
+    acc.put(pieces[1])  # queued (e.g. a hedge's first events): the writer is woken ...
+    await acc.deliver([pieces[2]])  # ... but has not run yet: this must queue behind it
+    assert written == [pieces[0].event()]
+    assert [p.count for p in acc.pending] == [2]  # merged behind the queued one, in order
+    await waiter
