@@ -111,18 +111,33 @@ def test_queued_content_merges_into_one_event_with_the_same_text() -> None:
 async def test_the_reader_writes_itself_only_when_nothing_is_queued() -> None:
     written: list[bytes] = []
 
-    async def emit(pieces: list[Piece]) -> None:
+    def write_now(pieces: list[Piece]) -> None:
         written.extend(p.event() for p in pieces)
 
-    acc = Accumulator(None, emit, lambda: True)
+    acc = Accumulator(None, write_now, lambda: True)
     pieces, _ = _parse(STREAM[:4], False)
     waiter = asyncio.create_task(acc.wait_data())
     await asyncio.sleep(0)  # the writer parks: idle, nothing pending
     assert acc.idle
-    await acc.deliver([pieces[0]])
+    assert not acc.deliver([pieces[0]])
     assert written == [pieces[0].event()] and not acc.pending  # written by the reader
     acc.put(pieces[1])  # queued (e.g. a hedge's first events): the writer is woken ...
-    await acc.deliver([pieces[2]])  # ... but has not run yet: this must queue behind it
+    acc.deliver([pieces[2]])  # ... but has not run yet: this must queue behind it
     assert written == [pieces[0].event()]
     assert [p.count for p in acc.pending] == [2]  # merged behind the queued one, in order
+    await waiter
+
+
+async def test_a_client_that_went_away_fails_the_direct_write_and_the_writer_reraises() -> None:
+    def write_now(pieces: list[Piece]) -> None:
+        raise ConnectionResetError("gone")
+
+    acc = Accumulator(None, write_now, lambda: True)
+    pieces, _ = _parse(STREAM[:2], False)
+    waiter = asyncio.create_task(acc.wait_data())
+    await asyncio.sleep(0)
+    with pytest.raises(ConnectionResetError):
+        acc.deliver([pieces[1]])
+    assert isinstance(acc.write_error, ConnectionResetError)
+    acc.close()
     await waiter

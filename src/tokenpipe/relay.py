@@ -461,7 +461,6 @@ class Accumulator:
         "_data",
         "_drained",
         "closed",
-        "emit",
         "error",
         "gate",
         "idle",
@@ -471,12 +470,13 @@ class Accumulator:
         "ready",
         "size",
         "write_error",
+        "write_now",
     )
 
     def __init__(
         self,
         gate: FlowGate | None = None,
-        emit: Emit | None = None,
+        write_now: WriteNow | None = None,
         ready: Callable[[], bool] | None = None,
     ) -> None:
         self.pending: deque[Piece] = deque()
@@ -486,49 +486,49 @@ class Accumulator:
         self.merged = 0  # deltas merged into a neighbour
         self.paused_s = 0.0  # seconds the reader waited for the writer
         self.gate = gate
-        #: Writes pieces to the client without waiting for it (`emit_now`), and says whether
+        #: Writes pieces to the client without waiting for it (`write_now`), and says whether
         #: it can take more (`ready`); the reader writes directly only when both are given.
-        self.emit = emit
+        self.write_now = write_now
         self.ready = ready
         self.idle = False  # the writer is parked in wait_data with nothing pending
         self.write_error: BaseException | None = None  # a direct write failed (client gone)
         self._data = asyncio.Event()
         self._drained = asyncio.Event()
 
-    async def deliver(self, pieces: list[Piece]) -> None:
+    def deliver(self, pieces: list[Piece]) -> bool:
         """The reader's hand-over: writes at once when nothing waits and the client keeps up,
-        else queues (merging) and waits while the queue is over its high watermark."""
+        else queues (merging). True: the queue is over its high watermark, and the reader
+        must `wait_below_low()` before reading on. Synchronous: it runs once per read."""
         # `pending` empty as well as `idle`: a put wakes the writer, which is still marked
         # idle until it runs; what it has to send must go first.
         if (
             not self.pending
             and self.idle
             and len(pieces) <= DIRECT_MAX_PIECES
+            and self.write_now is not None
             and self.ready is not None
             and self.ready()
         ):
             gate = self.gate
+            ok = True
             if gate is not None:
                 tokens = 0
                 for p in pieces:
                     tokens += p.count
-                if tokens and gate.allowance()[0] < tokens:
-                    return await self._queue(pieces)
-                gate.consume(tokens)
-            assert self.emit is not None
-            try:
-                await self.emit(pieces)
-            except Exception as e:
-                self.write_error = e
-                raise
-            return None
-        return await self._queue(pieces)
-
-    async def _queue(self, pieces: list[Piece]) -> None:
+                if tokens:
+                    ok = gate.allowance()[0] >= tokens
+                    if ok:
+                        gate.consume(tokens)
+            if ok:
+                try:
+                    self.write_now(pieces)
+                except Exception as e:
+                    self.write_error = e
+                    raise
+                return False
         for piece in pieces:
             self.put(piece)
-        if self.size > HIGH_WATERMARK:
-            await self.wait_below_low()
+        return self.size > HIGH_WATERMARK
 
     def put(self, piece: Piece) -> None:
         pending = self.pending
@@ -660,8 +660,8 @@ async def _read_one(
         if guard is None:
             async for chunk in uresp.content.iter_any():
                 pieces = parser.feed(chunk)
-                if pieces:
-                    await acc.deliver(pieces)
+                if pieces and acc.deliver(pieces):
+                    await acc.wait_below_low()
         else:
             if not guard.raced:
                 guard.raced = True
@@ -765,8 +765,8 @@ async def _read_guarded(
             if reads % GAP_SAMPLE_EVERY == 1:
                 guard.gap(now() - start)
             pieces = feed(chunk)
-            if pieces:
-                await deliver(pieces)
+            if pieces and deliver(pieces):
+                await acc.wait_below_low()
     except asyncio.CancelledError:
         if watch.timed_out():
             raise TimeoutError from None
@@ -776,6 +776,8 @@ async def _read_guarded(
 
 
 Emit = Callable[[list[Piece]], Awaitable[None]]
+#: Writes pieces at once without waiting for the client (raises if it is gone).
+WriteNow = Callable[[list[Piece]], None]
 
 
 async def pump(
@@ -824,16 +826,16 @@ async def relay_stream(
     gate: FlowGate | None = None,
     gate_changed: asyncio.Event | None = None,
     guard: StreamGuard | None = None,
-    emit_now: Emit | None = None,
+    write_now: WriteNow | None = None,
     ready: Callable[[], bool] | None = None,
 ) -> GatewayError | None:
     """Runs reader and writer for one stream (`guard`: tail control, see read_upstream).
-    With `emit_now` (writes without waiting for the client) and `ready` (the client has
+    With `write_now` (writes without waiting for the client) and `ready` (the client has
     nothing waiting for it) the reader writes directly while the client keeps up (see
     Accumulator). The reader never outlives this call: when the writer returns, fails
     (client gone) or is cancelled, the reader is cancelled and awaited.
     (Not a TaskGroup: it would wrap the client's ConnectionResetError in an ExceptionGroup.)"""
-    acc = Accumulator(gate, emit_now, ready)
+    acc = Accumulator(gate, write_now, ready)
     reader = asyncio.create_task(read_upstream(uresp, parser, acc, guard))
     try:
         return await pump(acc, gate, emit, gate_changed)
@@ -849,18 +851,19 @@ async def relay_stream(
         acc.discard()
 
 
-def emit_sse(response: Any, writer: Any, tally: StreamTally) -> tuple[Emit, Emit]:
+def emit_sse(response: Any, writer: Any, tally: StreamTally) -> tuple[Emit, WriteNow | None]:
     """Emitters writing pieces as SSE bytes to a prepared aiohttp StreamResponse and its
-    `writer` (`request.writer`): (emit, emit_now).
+    `writer` (`request.writer`): (emit, write_now).
 
     `emit` (the writer task's) then waits while the socket's send buffer is over its high
     watermark: aiohttp itself checks only every 64 KiB, which would park a stale backlog of
-    un-merged events in front of a slow client. `emit_now` (the reader's) never waits: the
-    reader must go on reading and merging while a client falls behind. On a chunked
-    response (HTTP/1.1, no compression) it frames the chunk itself and hands it to the
-    transport in one call: aiohttp's writer takes five Python frames per write for the same
-    bytes, and this runs once per token. The headers go out first (`start`), so nothing of
-    aiohttp's is left to send before the body.
+    un-merged events in front of a slow client. `write_now` (the reader's) never waits: the
+    reader must go on reading and merging while a client falls behind. It frames the HTTP/1.1
+    chunk itself and hands it to the transport in one call: aiohttp's writer takes five
+    Python frames and a coroutine per write for the same bytes, and this runs once per
+    token. The headers go out before the body (see front/http.py), so nothing of aiohttp's
+    is left to send first. None on a response that is not chunked (HTTP/1.0) or compressed:
+    then the writer task writes everything.
     """
 
     def encode(pieces: list[Piece]) -> bytes:
@@ -887,16 +890,12 @@ def emit_sse(response: Any, writer: Any, tally: StreamTally) -> tuple[Emit, Emit
     transport = writer.transport
     chunked = response.headers.get("Transfer-Encoding") == "chunked"  # set by prepare()
     if not chunked or response.compression or transport is None:
+        return emit, None
 
-        async def emit_now(pieces: list[Piece]) -> None:
-            await response.write(encode(pieces))
-
-        return emit, emit_now
-
-    async def emit_now_framed(pieces: list[Piece]) -> None:
+    def write_now(pieces: list[Piece]) -> None:
         data = encode(pieces)
         if transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
         transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
-    return emit, emit_now_framed
+    return emit, write_now

@@ -900,7 +900,8 @@ async def _until_content(
         pieces = parser.feed(chunk)
         if not pieces:
             continue
-        await acc.deliver(pieces)
+        if acc.deliver(pieces):
+            await acc.wait_below_low()
         if parser.tally.done:
             return
         for piece in pieces:

@@ -245,7 +245,7 @@ async def _relay_sse(
     transport = request.transport
     # The reader may write itself while nothing waits in the event loop's send buffer.
     ready = None if transport is None else lambda: transport.get_write_buffer_size() == 0
-    emit, emit_now = emit_sse(response, request.writer, tally)
+    emit, write_now = emit_sse(response, request.writer, tally)
     try:
         error = await relay_stream(
             call.uresp,
@@ -253,7 +253,7 @@ async def _relay_sse(
             emit,
             gate,
             guard=call.guard,
-            emit_now=emit_now,
+            write_now=write_now,
             ready=ready,
         )
         if error is not None:
