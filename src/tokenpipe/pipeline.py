@@ -134,7 +134,7 @@ class Call:
         self.ticket = ticket
         self.ctx = ctx
         self.strip_usage = strip_usage
-        self.gauge = metrics.INFLIGHT.labels(*tally.labels)
+        self.gauge = metrics.child(metrics.INFLIGHT, *tally.labels)
         self.gauge.inc()
 
     def close(self, status: int) -> None:

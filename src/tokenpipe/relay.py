@@ -94,13 +94,13 @@ class StreamTally:
         self.done = False  # [DONE] seen
         self.finished = False  # a finish_reason seen
         self.ttft: float | None = None
-        self.itl = metrics.ITL.labels(*self.labels)
+        self.itl = metrics.child(metrics.ITL, upstream, model)
 
     def observe_content(self, now: float) -> None:
         if self.first_token_at is None:
             self.first_token_at = now
             self.ttft = now - self.started_at
-            metrics.TTFT.labels(*self.labels).observe(self.ttft)
+            metrics.child(metrics.TTFT, *self.labels).observe(self.ttft)
         else:
             self.itl.observe(now - self.last_token_at)
         self.last_token_at = now
@@ -109,17 +109,18 @@ class StreamTally:
     def finish(self, status: int) -> None:
         end = time.perf_counter()
         upstream, model = self.labels
-        metrics.REQUEST_DURATION.labels(upstream, model).observe(end - self.started_at)
-        metrics.REQUESTS.labels(str(status), upstream, model).inc()
+        child = metrics.child
+        child(metrics.REQUEST_DURATION, upstream, model).observe(end - self.started_at)
+        child(metrics.REQUESTS, str(status), upstream, model).inc()
         usage = self.usage
         if usage:
             prompt = usage.get("prompt_tokens") or 0
             completion = usage.get("completion_tokens") or 0
-            metrics.TOKENS.labels("prompt", upstream, model).inc(prompt)
-            metrics.TOKENS.labels("completion", upstream, model).inc(completion)
+            child(metrics.TOKENS, "prompt", upstream, model).inc(prompt)
+            child(metrics.TOKENS, "completion", upstream, model).inc(completion)
             if self.first_token_at is not None and completion > 1:
                 tpot = (self.last_token_at - self.first_token_at) / (completion - 1)
-                metrics.TPOT.labels(upstream, model).observe(tpot)
+                child(metrics.TPOT, upstream, model).observe(tpot)
 
 
 #: Bytes of queued content at which the reader stops reading the upstream.
@@ -851,9 +852,11 @@ async def relay_stream(
         acc.discard()
 
 
-def emit_sse(response: Any, writer: Any, tally: StreamTally) -> tuple[Emit, WriteNow | None]:
+def emit_sse(
+    response: Any, writer: Any, tally: StreamTally
+) -> tuple[Emit, WriteNow | None, Callable[[], bool]]:
     """Emitters writing pieces as SSE bytes to a prepared aiohttp StreamResponse and its
-    `writer` (`request.writer`): (emit, write_now).
+    `writer` (`request.writer`): (emit, write_now, ready).
 
     `emit` (the writer task's) then waits while the socket's send buffer is over its high
     watermark: aiohttp itself checks only every 64 KiB, which would park a stale backlog of
@@ -861,10 +864,12 @@ def emit_sse(response: Any, writer: Any, tally: StreamTally) -> tuple[Emit, Writ
     reader must go on reading and merging while a client falls behind. It frames the HTTP/1.1
     chunk itself and hands it to the transport in one call: aiohttp's writer takes five
     Python frames and a coroutine per write for the same bytes, and this runs once per
-    token. The headers go out before the body (see front/http.py), so nothing of aiohttp's
-    is left to send first. None on a response that is not chunked (HTTP/1.0) or compressed:
-    then the writer task writes everything.
+    token. aiohttp sends the headers with the first body bytes, so the first write is
+    `emit`'s (usually the role chunk); `ready` says the client can take a direct write: that
+    one is done and nothing waits in the transport. write_now is None on a response that is
+    not chunked (HTTP/1.0) or compressed: then the writer task writes everything.
     """
+    started = False
 
     def encode(pieces: list[Piece]) -> bytes:
         if len(pieces) == 1:
@@ -884,13 +889,19 @@ def emit_sse(response: Any, writer: Any, tally: StreamTally) -> tuple[Emit, Writ
         return b"".join(out)
 
     async def emit(pieces: list[Piece]) -> None:
+        nonlocal started
         await response.write(encode(pieces))
+        started = True
         await writer.drain()
 
     transport = writer.transport
+
+    def ready() -> bool:
+        return started and transport.get_write_buffer_size() == 0
+
     chunked = response.headers.get("Transfer-Encoding") == "chunked"  # set by prepare()
     if not chunked or response.compression or transport is None:
-        return emit, None
+        return emit, None, ready
 
     def write_now(pieces: list[Piece]) -> None:
         data = encode(pieces)
@@ -898,4 +909,4 @@ def emit_sse(response: Any, writer: Any, tally: StreamTally) -> tuple[Emit, Writ
             raise ConnectionResetError("the client closed the connection")
         transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
-    return emit, write_now
+    return emit, write_now, ready

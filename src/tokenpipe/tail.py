@@ -166,14 +166,14 @@ class TailControl:
         if not self.settings.deadlines:
             return None
         value = self.ttft_rule.value(self.ttft_estimate(upstream, model, cls))
-        metrics.DEADLINE.labels("ttft", upstream, model).set(value)
+        metrics.child(metrics.DEADLINE, "ttft", upstream, model).set(value)
         return value
 
     def stall_deadline(self, upstream: str, model: str) -> float | None:
         if not self.settings.deadlines:
             return None
         value = self.stall_rule.value(self.gap_estimate(upstream, model))
-        metrics.DEADLINE.labels("stall", upstream, model).set(value)
+        metrics.child(metrics.DEADLINE, "stall", upstream, model).set(value)
         return value
 
     def censored(self, upstream: str, model: str, cls: int) -> None:
@@ -196,7 +196,7 @@ class TailControl:
             cut = self._est(self._censored, (upstream, model, cls)).count
             q = est.quantile(min(1.0, h.quantile * (n + cut) / n))
         value = h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)
-        metrics.DEADLINE.labels("hedge_delay", upstream, model).set(value)
+        metrics.child(metrics.DEADLINE, "hedge_delay", upstream, model).set(value)
         return value
 
     # -- upstream choice and health ----------------------------------------------------------
@@ -250,22 +250,25 @@ class TailControl:
         request_id: str,
         stream: bool,
         deadline: float | None,
+        streamed: bool = False,
     ) -> Attempt:
-        """Sends and waits for the first token (streams) or the headers. Never raises except
-        on cancellation (then the attempt closes what it opened)."""
+        """Sends and waits for the first token (`stream`) or the headers. `streamed`: the
+        response is a stream even if its first token is not awaited here. Never raises except on
+        cancellation (then the attempt closes what it opened)."""
+        streamed = streamed or stream
         try:
             await a.ticket.acquire(a.upstream.name)
         except GatewayError as e:  # no capacity within the queue deadline
             a.fatal = e
             return a
         a.sent_at = self.clock.now()
-        if stream:  # the upstream's fixed read timeout bounds the wait for the first token
+        if streamed:  # the upstream's fixed read timeout bounds the wait for the first token
             cap = a.upstream.settings.read_timeout_seconds
             deadline = cap if deadline is None else min(deadline, cap)
         try:
             async with asyncio.timeout(deadline):
                 try:
-                    resp = await a.upstream.post(path, body, request_id, stream)
+                    resp = await a.upstream.post(path, body, request_id, streamed)
                 except GatewayError as e:
                     a.error, a.reason = e, "connect"
                     a.ticket.failed(e.status)
@@ -372,7 +375,7 @@ class TailControl:
                 left = max(0.0, end_at - self.clock.now())
                 deadline = left if deadline is None else min(deadline, left)
             a = await self._attempt(
-                Attempt(upstream, ticket), path, body, request_id, False, deadline
+                Attempt(upstream, ticket), path, body, request_id, False, deadline, streamed=stream
             )
             if a.fatal is not None:
                 raise a.fatal
@@ -620,7 +623,7 @@ class StreamGuard:
                     a = hedge.result()
                     hedge = None
                     if a.ok and a.resp is not None and a.resp.status == 200:
-                        metrics.HEDGES.labels("won").inc()
+                        metrics.child(metrics.HEDGES, "won").inc()
                         if primary is not None:
                             await _cancel(primary)
                             primary = None
@@ -628,7 +631,7 @@ class StreamGuard:
                             tail.censored(self.upstream.name, self.model, self.cls)
                             self.ticket.failed(499)
                         return self._switch(a, uresp, parser, acc)
-                    metrics.HEDGES.labels("no_budget" if a.fatal else "failed").inc()
+                    metrics.child(metrics.HEDGES, "no_budget" if a.fatal else "failed").inc()
                     if a.resp is not None or a.fatal is None:
                         a.discard(a.resp.status if a.resp is not None else 502)
                     if primary is None:
@@ -680,7 +683,7 @@ class StreamGuard:
         )
         tail._healthy(self.upstream.name)
         if hedge is not None:
-            metrics.HEDGES.labels("lost").inc()
+            metrics.child(metrics.HEDGES, "lost").inc()
         return uresp
 
     async def _primary_broke(
@@ -695,12 +698,12 @@ class StreamGuard:
         """A second attempt for a request with no first token yet, if the budget allows."""
         tail = self._tail
         if not tail.hedge_budget.try_spend():
-            metrics.HEDGES.labels("no_budget").inc()
+            metrics.child(metrics.HEDGES, "no_budget").inc()
             return None
         order = tail._ordered(await tail.router.candidates(self.model), self.model)
         target = tail._pick(order, avoid=self.upstream.name)
         if target is None:
-            metrics.HEDGES.labels("no_budget").inc()
+            metrics.child(metrics.HEDGES, "no_budget").inc()
             return None
         side = self._side_ticket()
         side.deadline = tail.clock.now() + tail.settings.hedging.max_queue_seconds

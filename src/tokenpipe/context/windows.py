@@ -13,6 +13,7 @@ A model with no known window is not budgeted at all: guessing would alter reques
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -37,6 +38,7 @@ KNOWN_WINDOWS: dict[str, int] = {
     "o3": 200_000,
     "o4-mini": 200_000,
 }
+_PREFIXES = sorted(KNOWN_WINDOWS, key=len, reverse=True)  # longest match first
 #: Fields of a /v1/models entry that carry the serving window, in order of trust.
 _MODEL_FIELDS = ("context_window", "max_model_len", "context_length", "n_ctx")
 #: How long an upstream's answer is trusted (seconds); an unreachable one is asked again then.
@@ -45,8 +47,9 @@ DISCOVERY_TTL = 60.0
 MAX_DISCOVERED = 4096
 
 
+@functools.lru_cache(maxsize=1024)
 def known_window(model: str) -> int | None:
-    for prefix in sorted(KNOWN_WINDOWS, key=len, reverse=True):
+    for prefix in _PREFIXES:
         if model.startswith(prefix):
             return KNOWN_WINDOWS[prefix]
     return None

@@ -223,9 +223,9 @@ class Limiter:
             rem_r = info.requests.remaining if info.requests else None
             rem_t = info.tokens.remaining if info.tokens else None
             if rem_r is not None:
-                metrics.RATELIMIT_REMAINING.labels(self.name, "requests").set(rem_r)
+                metrics.child(metrics.RATELIMIT_REMAINING, self.name, "requests").set(rem_r)
             if rem_t is not None:
-                metrics.RATELIMIT_REMAINING.labels(self.name, "tokens").set(rem_t)
+                metrics.child(metrics.RATELIMIT_REMAINING, self.name, "tokens").set(rem_t)
             if rem_r is not None or rem_t is not None:
                 # Learned levels sit a little below what the upstream said: the clocks of
                 # replicas, Redis and the upstream differ by milliseconds, and arriving a hair

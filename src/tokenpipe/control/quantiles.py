@@ -18,7 +18,16 @@ ACCURACY = 0.01
 
 
 class RollingQuantiles:
-    __slots__ = ("_cache", "_cache_at", "_clock", "_slices", "_slices_max", "_width", "refresh")
+    __slots__ = (
+        "_cache",
+        "_cache_at",
+        "_clock",
+        "_memo",
+        "_slices",
+        "_slices_max",
+        "_width",
+        "refresh",
+    )
 
     def __init__(
         self,
@@ -34,6 +43,7 @@ class RollingQuantiles:
         self._slices_max = slices
         self._cache: DDSketch | None = None
         self._cache_at = -1e18
+        self._memo: dict[float, float | None] = {}  # quantiles of the cached merged view
         self.refresh = refresh  # seconds a merged view is reused
 
     def add(self, value: float) -> None:
@@ -61,6 +71,7 @@ class RollingQuantiles:
             for _, s in self._slices:
                 merged.merge(s)
             self._cache = merged
+        self._memo.clear()
         self._cache_at = now
         return self._cache
 
@@ -74,5 +85,9 @@ class RollingQuantiles:
         m = self._merged()
         if m is None or m.count == 0:
             return None
+        memo = self._memo
+        if q in memo:
+            return memo[q]
         v = m.get_quantile_value(q)
-        return float(v) if v is not None else None
+        memo[q] = value = float(v) if v is not None else None
+        return value

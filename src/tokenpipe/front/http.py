@@ -98,6 +98,9 @@ def _request_id(request: web.Request) -> str:
 async def _read_body(request: web.Request, limit: int, deadline: float) -> bytes:
     """The body, at most `limit` bytes (else 413), within `deadline` seconds (else 408: a
     client trickling its body must not hold a handler forever)."""
+    content = request.content
+    if content.is_eof():  # all of it arrived with the headers (the usual case): no timer
+        return await _read_body_unbounded_in_time(request, limit)
     try:
         async with asyncio.timeout(deadline):
             return await _read_body_unbounded_in_time(request, limit)
@@ -172,9 +175,6 @@ async def _completion(
         )
         _bound_client_buffers(request, gw.settings.server.stream_send_buffer_bytes)
         await sse_response.prepare(request)
-        # aiohttp holds the headers back to send them with the first body bytes; send them
-        # now (the client sees the response start, and the relay may write the body itself).
-        await sse_response.write(b"")
         status = await _relay_sse(call, sse_response, gate, request)
         return sse_response
     finally:
@@ -184,8 +184,8 @@ async def _completion(
 def _bound_client_buffers(request: web.Request, sndbuf: int) -> None:
     """Keeps what waits for a slow client small, so the relay sees it and merges (relay.py)."""
     transport = request.transport
-    if transport is None or not sndbuf:
-        return
+    if transport is None or not sndbuf or transport.get_write_buffer_limits()[1] == sndbuf:
+        return  # done already for an earlier request on this connection
     # The event loop's own buffer: the write waits (drain) above this many bytes.
     transport.set_write_buffer_limits(high=sndbuf)
     sock = transport.get_extra_info("socket")
@@ -242,10 +242,7 @@ async def _relay_sse(
 ) -> int:
     """Returns the status to record. Errors after the first byte become an SSE error event."""
     tally = call.tally
-    transport = request.transport
-    # The reader may write itself while nothing waits in the event loop's send buffer.
-    ready = None if transport is None else lambda: transport.get_write_buffer_size() == 0
-    emit, write_now = emit_sse(response, request.writer, tally)
+    emit, write_now, ready = emit_sse(response, request.writer, tally)
     try:
         error = await relay_stream(
             call.uresp,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -17,6 +19,24 @@ from tokenpipe.observe.fasthist import FastHistogram
 disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+
+#: Label children looked up per request, by (metric, label values): prometheus_client's
+#: `labels()` validates, takes a lock and builds keys on every call (a few us, several times
+#: per request). Bound: cleared past this many entries (then rebuilt as used).
+_CHILDREN_MAX = 10_000
+_children: dict[tuple[object, tuple[str, ...]], Any] = {}
+
+
+def child(metric: Any, *values: str) -> Any:
+    """`metric.labels(*values)`, cached."""
+    key = (metric, values)
+    found = _children.get(key)
+    if found is None:
+        if len(_children) >= _CHILDREN_MAX:
+            _children.clear()
+        found = _children[key] = metric.labels(*values)
+    return found
+
 
 # Bucket edges in seconds. TTFT spans a loopback sim (ms) to a loaded provider (tens of s);
 # inter-token gaps live between sub-millisecond and a few hundred ms, with stalls beyond.

@@ -6,7 +6,6 @@ header, URL or key is forwarded (except the request id, which the gateway itself
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from contextvars import ContextVar
@@ -80,10 +79,10 @@ class HttpUpstream:
         Raises GatewayError 502 when the upstream cannot be reached, 504 when it does not answer
         in time. The caller owns the response and must close or release it.
 
-        `stream`: the caller bounds each read of the body itself (tail.StreamGuard: the stall
-        deadline, else `read_timeout_seconds`, one timer per stream); aiohttp's own read
-        timeout would re-arm a timer on every chunk, i.e. every token. The wait for the
-        headers keeps the read timeout.
+        `stream`: the caller bounds the waits itself, for the headers and the first token
+        (tail.TailControl._attempt) and for each read of the body (tail.StreamGuard: the
+        stall deadline, capped by `read_timeout_seconds`, with one timer per stream);
+        aiohttp's own read timeout would re-arm a timer on every chunk, i.e. every token.
         """
         headers = dict(self._headers)
         headers["x-request-id"] = request_id
@@ -95,14 +94,13 @@ class HttpUpstream:
                 return await self.session.post(
                     self.base_url + path, data=body, headers=headers, allow_redirects=False
                 )
-            async with asyncio.timeout(self.settings.read_timeout_seconds):
-                return await self.session.post(
-                    self.base_url + path,
-                    data=body,
-                    headers=headers,
-                    allow_redirects=False,
-                    timeout=self._stream_timeout,
-                )
+            return await self.session.post(
+                self.base_url + path,
+                data=body,
+                headers=headers,
+                allow_redirects=False,
+                timeout=self._stream_timeout,
+            )
         except TimeoutError:
             raise GatewayError(
                 504, f"Upstream '{self.name}' did not answer in time.", code="upstream_timeout"
