@@ -38,6 +38,7 @@ from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
+from tokenpipe.upstream import push
 
 if TYPE_CHECKING:
     from tokenpipe.tail import StreamGuard
@@ -741,17 +742,54 @@ class StallWatch:
             self._handle = None
 
 
+#: Largest piece of body the push path takes (bytes); a larger one is a backlog, read and
+#: merged by the task.
+PUSH_MAX_BYTES = 16 * 1024
+
+
 async def _read_guarded(
     uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator, guard: StreamGuard
 ) -> None:
     """Reads with the stall deadline on each wait for the upstream. Time spent waiting for a
-    slow client (backpressure) is not the upstream's gap and is not counted."""
-    readany = uresp.content.readany
+    slow client (backpressure) is not the upstream's gap and is not counted.
+
+    While the client keeps up, the body is not read here at all: the HTTP parser pushes each
+    piece to `take` (upstream/push.py), which parses and writes it on the spot, and this task
+    stays parked in `readany()`, woken only for what `take` declines."""
+    content = uresp.content
+    readany = content.readany
     watch = StallWatch(guard)
     now = guard.now
     feed = parser.feed
     deliver = acc.deliver
     reads = 0
+
+    def take(data: bytes) -> bool:
+        nonlocal reads
+        if (
+            len(data) > PUSH_MAX_BYTES
+            or acc.pending
+            or not acc.idle
+            or acc.gate is not None
+            or acc.write_now is None
+            or acc.ready is None
+            or not acc.ready()
+        ):
+            return False
+        t = now()
+        reads += 1
+        if reads % GAP_SAMPLE_EVERY == 1:
+            guard.gap(t - watch.since)
+        watch.since = t  # the stall deadline runs from this read on
+        try:
+            pieces = feed(data)
+            if pieces:
+                deliver(pieces)  # written, or queued (at most one read: under the watermark)
+        except Exception as e:  # the parked task raises it as if it had read the bytes itself
+            content.set_exception(e)
+        return True
+
+    pushed = push.attach(uresp, take)
     try:
         while True:
             watch.since = start = now()
@@ -773,6 +811,8 @@ async def _read_guarded(
             raise TimeoutError from None
         raise
     finally:
+        if pushed:
+            push.detach(uresp)
         watch.stop()
 
 
@@ -866,8 +906,11 @@ def emit_sse(
     Python frames and a coroutine per write for the same bytes, and this runs once per
     token. aiohttp sends the headers with the first body bytes, so the first write is
     `emit`'s (usually the role chunk); `ready` says the client can take a direct write: that
-    one is done and nothing waits in the transport. write_now is None on a response that is
-    not chunked (HTTP/1.0) or compressed: then the writer task writes everything.
+    one is done and the transport holds no more than its low watermark (not "nothing":
+    uvloop sends what was written at the end of the loop iteration, so a buffer that is
+    not empty yet does not mean a slow client; one that holds a few KiB does). write_now
+    is None on a response that is not chunked (HTTP/1.0) or compressed: then the writer
+    task writes everything.
     """
     started = False
 
@@ -896,8 +939,10 @@ def emit_sse(
 
     transport = writer.transport
 
+    low = transport.get_write_buffer_limits()[0] if transport is not None else 0
+
     def ready() -> bool:
-        return started and transport.get_write_buffer_size() == 0
+        return started and transport.get_write_buffer_size() <= low
 
     chunked = response.headers.get("Transfer-Encoding") == "chunked"  # set by prepare()
     if not chunked or response.compression or transport is None:
