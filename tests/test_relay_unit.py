@@ -141,3 +141,22 @@ async def test_a_client_that_went_away_fails_the_direct_write_and_the_writer_rer
     assert isinstance(acc.write_error, ConnectionResetError)
     acc.close()
     await waiter
+
+
+def test_a_delta_with_a_role_or_a_tool_call_is_never_merged_into() -> None:
+    reads = [
+        _chunk({"role": "assistant", "content": "Hi"}),
+        _chunk({"content": " there"}),
+        _chunk({"content": "!", "tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}),
+        _chunk({"content": " more"}),
+        _chunk({"content": " text"}),
+    ]
+    pieces, _ = _parse(reads, False)
+    acc = Accumulator()
+    for p in pieces:
+        acc.put(p)
+    out, tokens = acc.take(1 << 30)
+    assert tokens == 5
+    assert [p.count for p in out] == [1, 1, 1, 2]  # only the last two plain deltas joined
+    assert out[0].event() == reads[0] and out[2].event() == reads[2]  # passed as sent
+    assert orjson.loads(out[3].event()[6:-2])["choices"][0]["delta"] == {"content": " more text"}

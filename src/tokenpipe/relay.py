@@ -161,7 +161,7 @@ class Piece:
         #: `data: <JSON>\n\n`).
         self.may_merge = False
         self.template: dict[str, Any] | None = None
-        #: "content" (chat delta) or "text" (completion) once known mergeable; "" unknown/never.
+        #: Where the text is: "content" (chat delta) or "text" (completion); "" never merges.
         self.text_key = ""
         self.finish_reason: str | None = None
         self.error: dict[str, Any] | None = None
@@ -176,12 +176,16 @@ class Piece:
             key = _mergeable(obj, obj["choices"])
             if key:
                 self.template = obj
-                self.text_key = key
+            self.text_key = key
         return self.template is not None
 
     def join(self, other: Piece) -> bool:
-        """Appends `other`'s deltas if both are plain content deltas of the same kind."""
-        if not (self.mergeable() and other.mergeable() and self.text_key == other.text_key):
+        """Appends `other`'s deltas if both are plain content deltas of the same kind. Only
+        the head of a merged run is parsed (its dict is the event's template); what joins it
+        adds only its text, which the typed decode already gave."""
+        if not (other.may_merge or other.template is not None):
+            return False
+        if not (self.mergeable() and self.text_key == other.text_key):
             return False
         assert self.parts is not None and other.parts is not None
         self.parts.extend(other.parts)
@@ -236,6 +240,7 @@ def _mergeable(obj: dict[str, Any], choices: list[dict[str, Any]]) -> str:
 # JSON) by msgspec in about 1 us, a third of what a dict parse plus lookups costs. Events of any
 # other shape fail validation and take the general path (`EventParser._general`).
 class _Delta(msgspec.Struct):
+    role: str | None = None
     content: str | None = None
     tool_calls: Any = None
     reasoning_content: str | None = None
@@ -369,7 +374,16 @@ class EventParser:
                     piece.finish_reason = first.finish_reason
                     tally.finished = True
                 elif first.finish_reason is None and first.logprobs is None:
-                    piece.may_merge = True  # decided by `Piece.mergeable` if it queues
+                    if delta is None:
+                        piece.may_merge, piece.text_key = True, "text"
+                    elif (
+                        delta.role is None
+                        and delta.tool_calls is None
+                        and delta.function_call is None
+                        and delta.reasoning_content is None
+                        and delta.reasoning is None
+                    ):
+                        piece.may_merge, piece.text_key = True, "content"
                 return piece
         if _has_content(choices):
             piece = Piece(raw, [_text_of(first)])
