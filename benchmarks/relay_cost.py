@@ -1,0 +1,129 @@
+"""What one request and one token cost the gateway, against the bare relay: CPU microseconds of
+the serving process per request (1-token answers: the request path) and per token (long
+answers, the request path subtracted), interleaved round by round, one sim for both.
+
+    python benchmarks/relay_cost.py                       # ~2 min; JSON in results/relay_cost.json
+    python benchmarks/relay_cost.py --rounds 5 --concurrency 32
+
+The overhead benchmark (`overhead.py`) shows latency and throughput under load; this one says
+where the gateway's CPU goes, which is what sets them once the machine is saturated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from _common import cpu_seconds
+
+from tokenpipe.bench import run_load
+from tokenpipe.bench.procs import Service
+from tokenpipe.serving import install_uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "sim-model"
+
+
+async def _cpu_per(svc: Service, concurrency: int, requests: int, max_tokens: int) -> float:
+    """CPU seconds of the serving process per request for this load."""
+    before = cpu_seconds(svc.pid)
+    await run_load(
+        svc.url + "/v1",
+        MODEL,
+        concurrency=concurrency,
+        requests=requests,
+        max_tokens=max_tokens,
+        prompt_tokens=32,
+    )
+    return (cpu_seconds(svc.pid) - before) / requests
+
+
+async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    with (
+        Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", name="sim") as sim,
+        Service(
+            "serve",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--upstream",
+            sim.url + "/v1",
+            "--log-level",
+            "warning",
+            name="gateway",
+        ) as gw,
+        Service(
+            argv=[
+                sys.executable,
+                str(ROOT / "benchmarks" / "bare_relay.py"),
+                "--upstream",
+                sim.url,
+            ],
+            name="bare-relay",
+        ) as relay,
+    ):
+        targets = {"tokenpipe": gw, "bare-relay": relay}
+        for svc in targets.values():  # warm-up: connections, caches, estimators
+            await _cpu_per(svc, args.concurrency, args.concurrency * 2, 4)
+        per_request: dict[str, list[float]] = {name: [] for name in targets}
+        per_token: dict[str, list[float]] = {name: [] for name in targets}
+        for r in range(args.rounds):
+            order = list(targets.items())[r % 2 :] + list(targets.items())[: r % 2]
+            for name, svc in order:
+                print(f"  round {r + 1}/{args.rounds} {name}", flush=True)
+                req = await _cpu_per(svc, args.concurrency, args.short_requests, 1)
+                long = await _cpu_per(svc, args.concurrency, args.long_requests, args.tokens)
+                per_request[name].append(req * 1e6)
+                per_token[name].append(max(0.0, long - req) / args.tokens * 1e6)
+        rows = []
+        for name in targets:
+            rows.append(
+                {
+                    "target": name,
+                    "us_per_request": statistics.median(per_request[name]),
+                    "us_per_token": statistics.median(per_token[name]),
+                    "rounds_us_per_request": per_request[name],
+                    "rounds_us_per_token": per_token[name],
+                }
+            )
+        base = rows[1]
+        print(f"\n{'target':<11} {'us/request':>11} {'x relay':>8} {'us/token':>9} {'x relay':>8}")
+        for row in rows:
+            print(
+                f"{row['target']:<11} {row['us_per_request']:11.0f} "
+                f"{row['us_per_request'] / base['us_per_request']:8.2f} "
+                f"{row['us_per_token']:9.1f} {row['us_per_token'] / base['us_per_token']:8.2f}"
+            )
+        return {"rows": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--short-requests", type=int, default=800, help="1-token requests per round")
+    p.add_argument("--long-requests", type=int, default=64, help="long requests per round")
+    p.add_argument("--tokens", type=int, default=400, help="tokens per long request")
+    p.add_argument("--json", default=str(ROOT / "results" / "relay_cost.json"))
+    args = p.parse_args()
+    install_uvloop()
+    result = asyncio.run(_bench(args))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(
+        json.dumps(
+            {"benchmark": "relay_cost", "args": vars(args), "cpus": os.cpu_count(), **result},
+            indent=2,
+        )
+    )
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
