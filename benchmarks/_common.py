@@ -1,10 +1,19 @@
-"""Small helpers shared by the benchmarks (process CPU, ports)."""
+"""Small helpers shared by the benchmarks (process CPU, ports, the processes compared, JSON)."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import sys
+from pathlib import Path
+from typing import Any
 
 import psutil
+
+from tokenpipe.bench.procs import Service
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -30,3 +39,36 @@ def free_port() -> int:
 def fmt(v: float | None, width: int, digits: int = 2) -> str:
     """A table cell: the number, or '-' where there is none (e.g. no ITL in 1-chunk streams)."""
     return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"
+
+
+def gateway(sim_url: str, grpc_port: int = 0) -> Service:
+    """`tokenpipe serve` with its defaults in front of a sim (base URL without /v1)."""
+    return Service(
+        "serve",
+        "--port",
+        "0",
+        "--grpc-port",
+        str(grpc_port),
+        "--upstream",
+        sim_url + "/v1",
+        "--log-level",
+        "warning",
+        name="gateway",
+    )
+
+
+def bare_relay(sim_url: str) -> Service:
+    """The byte-forwarding floor (benchmarks/bare_relay.py) in front of a sim."""
+    return Service(
+        argv=[sys.executable, str(ROOT / "benchmarks" / "bare_relay.py"), "--upstream", sim_url],
+        name="bare-relay",
+    )
+
+
+def write_json(path: str, benchmark: str, args: Any, **result: Any) -> None:
+    """Saves a benchmark's result with its arguments and the machine's core count."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": benchmark, "args": vars(args), "cpus": os.cpu_count(), **result}
+    out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {path}")

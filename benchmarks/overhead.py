@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import cpu_seconds, fmt, free_port
+from _common import bare_relay, cpu_seconds, fmt, free_port, gateway, write_json
 
 from tokenpipe.bench import Summary, run_load
 from tokenpipe.bench.procs import Service
@@ -180,27 +179,8 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
         Service(
             "sim", "--port", "0", "--ttft-ms", str(args.ttft_ms), "--itl-ms", itl, name="sim"
         ) as sim,
-        Service(
-            argv=[
-                sys.executable,
-                str(ROOT / "benchmarks" / "bare_relay.py"),
-                "--upstream",
-                sim.url,
-            ],
-            name="bare-relay",
-        ) as relay,
-        Service(
-            "serve",
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--upstream",
-            sim.url + "/v1",
-            "--log-level",
-            "warning",
-            name="gateway",
-        ) as gw,
+        bare_relay(sim.url) as relay,
+        gateway(sim.url) as gw,
     ):
         litellm = None
         if args.litellm != "off":
@@ -263,19 +243,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for pace in args.pace.split(","):
         results += asyncio.run(_bench_pace(pace, args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "benchmark": "overhead",
-                "args": vars(args),
-                "cpus": os.cpu_count(),
-                "results": results,
-            },
-            indent=2,
-        )
-    )
-    print(f"\nwrote {args.json}")
+    write_json(args.json, "overhead", args, results=results)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import cpu_seconds, fmt, free_port
+from _common import cpu_seconds, fmt, free_port, gateway, write_json
 
 from tokenpipe.bench import ProtocolUnavailable, Summary, run_load
 from tokenpipe.bench.procs import Service
@@ -119,18 +117,7 @@ async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
     grpc_port = free_port()
     with (
         Service("sim", "--port", "0", "--ttft-ms", "0", "--itl-ms", "0", name="sim") as sim,
-        Service(
-            "serve",
-            "--port",
-            "0",
-            "--grpc-port",
-            str(grpc_port),
-            "--upstream",
-            sim.url + "/v1",
-            "--log-level",
-            "warning",
-            name="gateway",
-        ) as gw,
+        gateway(sim.url, grpc_port) as gw,
     ):
         grpc_url = f"127.0.0.1:{grpc_port}"
         url = gw.url + "/v1"
@@ -172,20 +159,7 @@ def main() -> None:
     args = p.parse_args()
     install_uvloop()
     results = asyncio.run(_main(args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "benchmark": "protocols",
-                "args": vars(args),
-                "cpus": os.cpu_count(),
-                "python": sys.version,
-                "results": results,
-            },
-            indent=2,
-        )
-    )
-    print(f"\nwrote {args.json}")
+    write_json(args.json, "protocols", args, python=sys.version, results=results)
 
 
 if __name__ == "__main__":

@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
-from _common import cpu_seconds
+from _common import ROOT, bare_relay, cpu_seconds, gateway, write_json
 
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
 from tokenpipe.serving import install_uvloop
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
 
 
@@ -47,27 +42,8 @@ async def _cpu_per(svc: Service, concurrency: int, requests: int, max_tokens: in
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     with (
         Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", name="sim") as sim,
-        Service(
-            "serve",
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--upstream",
-            sim.url + "/v1",
-            "--log-level",
-            "warning",
-            name="gateway",
-        ) as gw,
-        Service(
-            argv=[
-                sys.executable,
-                str(ROOT / "benchmarks" / "bare_relay.py"),
-                "--upstream",
-                sim.url,
-            ],
-            name="bare-relay",
-        ) as relay,
+        gateway(sim.url) as gw,
+        bare_relay(sim.url) as relay,
     ):
         targets = {"tokenpipe": gw, "bare-relay": relay}
         for svc in targets.values():  # warm-up: connections, caches, estimators
@@ -115,14 +91,7 @@ def main() -> None:
     args = p.parse_args()
     install_uvloop()
     result = asyncio.run(_bench(args))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(
-        json.dumps(
-            {"benchmark": "relay_cost", "args": vars(args), "cpus": os.cpu_count(), **result},
-            indent=2,
-        )
-    )
-    print(f"\nwrote {args.json}")
+    write_json(args.json, "relay_cost", args, **result)
 
 
 if __name__ == "__main__":

@@ -96,8 +96,8 @@ class Gateway:
             raise
         guard = None
         if stream and uresp.status == 200:
-            guard = self.tail.guard(
-                upstream, req.model, path, body, obj, request_id, ticket, sent_at, end_at
+            guard = StreamGuard(
+                self.tail, upstream, req.model, path, body, obj, request_id, ticket, sent_at, end_at
             )
         return Call(
             upstream,

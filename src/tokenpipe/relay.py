@@ -515,16 +515,7 @@ class Accumulator:
         """The reader's hand-over: writes at once when nothing waits and the client keeps up,
         else queues (merging). True: the queue is over its high watermark, and the reader
         must `wait_below_low()` before reading on. Synchronous: it runs once per read."""
-        # `pending` empty as well as `idle`: a put wakes the writer, which is still marked
-        # idle until it runs; what it has to send must go first.
-        if (
-            not self.pending
-            and self.idle
-            and len(pieces) <= DIRECT_MAX_PIECES
-            and self.write_now is not None
-            and self.ready is not None
-            and self.ready()
-        ):
+        if len(pieces) <= DIRECT_MAX_PIECES and self.can_write_now():
             gate = self.gate
             ok = True
             if gate is not None:
@@ -536,6 +527,7 @@ class Accumulator:
                     if ok:
                         gate.consume(tokens)
             if ok:
+                assert self.write_now is not None  # can_write_now() said so
                 try:
                     self.write_now(pieces)
                 except Exception as e:
@@ -545,6 +537,18 @@ class Accumulator:
         for piece in pieces:
             self.put(piece)
         return self.size > HIGH_WATERMARK
+
+    def can_write_now(self) -> bool:
+        """The reader may write itself: nothing queued, the writer parked, the client ready.
+        (`pending` as well as `idle`: a put wakes the writer, which is still marked idle
+        until it runs; what it has to send must go first.)"""
+        return (
+            not self.pending
+            and self.idle
+            and self.write_now is not None
+            and self.ready is not None
+            and self.ready()
+        )
 
     def put(self, piece: Piece) -> None:
         pending = self.pending
@@ -708,15 +712,16 @@ GAP_SAMPLE_EVERY = 4
 
 
 class StallWatch:
-    """The stall deadline on each wait for an upstream read, with one timer per stream.
+    """The stall deadline on each wait for an upstream read, with one timer per stream, and
+    the gap samples for the stall estimate.
 
     A timer per read (asyncio.timeout rescheduled twice per read) costs two timer-heap
-    operations per token; here a read only stamps its start (`since`, `reading`), and the
-    timer, when it fires, checks the read in progress and sets itself again for that read's
-    deadline. A read that overruns cancels the reader, which `timed_out()` recognises.
+    operations per token; here a read only stamps its start (`start`), and the timer, when
+    it fires, checks the read in progress and sets itself again for that read's deadline. A
+    read that overruns cancels the reader, which `timed_out()` recognises.
     """
 
-    __slots__ = ("_base", "_handle", "expired", "guard", "reading", "since", "task")
+    __slots__ = ("_base", "_handle", "expired", "guard", "reading", "reads", "since", "task")
 
     def __init__(self, guard: StreamGuard) -> None:
         self.guard = guard
@@ -726,12 +731,26 @@ class StallWatch:
         self._base = task.cancelling()
         self._handle: asyncio.TimerHandle | None = None
         self.since = 0.0  # guard clock time the read in progress started
-        self.reading = False
+        self.reading = False  # the reader is waiting for the upstream
+        self.reads = 0
         self.expired = False
 
-    def arm(self) -> None:
-        """Sets the timer for the read in progress (the reader calls it when `_handle` is
-        None: the first read, or the timer fired between reads)."""
+    def start(self, now: float) -> None:
+        """The reader starts waiting for the upstream."""
+        self.since = now
+        self.reading = True
+        if self._handle is None:  # the first read, or the timer fired between reads
+            self._arm()
+
+    def arrived(self, now: float) -> None:
+        """Bytes arrived: one gap in GAP_SAMPLE_EVERY goes to the estimate, and the deadline
+        runs from here (bytes pushed while the reader still waits count as a read too)."""
+        self.reads += 1
+        if self.reads % GAP_SAMPLE_EVERY == 1:
+            self.guard.gap(now - self.since)
+        self.since = now
+
+    def _arm(self) -> None:
         delay = self.guard.read_deadline(self.since) - self.guard.now()
         # At least 1 ms: loop timers have millisecond resolution.
         self._handle = asyncio.get_running_loop().call_later(max(0.001, delay), self._fire)
@@ -744,7 +763,7 @@ class StallWatch:
             self.expired = True
             self.task.cancel()
         else:
-            self.arm()
+            self._arm()
 
     def timed_out(self) -> bool:
         """After a CancelledError in the reader: was it this watch's (not a real cancel)?"""
@@ -776,25 +795,11 @@ async def _read_guarded(
     now = guard.now
     feed = parser.feed
     deliver = acc.deliver
-    reads = 0
 
     def take(data: bytes) -> bool:
-        nonlocal reads
-        if (
-            len(data) > PUSH_MAX_BYTES
-            or acc.pending
-            or not acc.idle
-            or acc.gate is not None
-            or acc.write_now is None
-            or acc.ready is None
-            or not acc.ready()
-        ):
+        if len(data) > PUSH_MAX_BYTES or acc.gate is not None or not acc.can_write_now():
             return False
-        t = now()
-        reads += 1
-        if reads % GAP_SAMPLE_EVERY == 1:
-            guard.gap(t - watch.since)
-        watch.since = t  # the stall deadline runs from this read on
+        watch.arrived(now())
         try:
             pieces = feed(data)
             if pieces:
@@ -806,17 +811,12 @@ async def _read_guarded(
     pushed = push.attach(uresp, take)
     try:
         while True:
-            watch.since = start = now()
-            watch.reading = True
-            if watch._handle is None:
-                watch.arm()
+            watch.start(now())
             chunk = await readany()
             watch.reading = False
             if not chunk:
                 return
-            reads += 1
-            if reads % GAP_SAMPLE_EVERY == 1:
-                guard.gap(now() - start)
+            watch.arrived(now())
             pieces = feed(chunk)
             if pieces and deliver(pieces):
                 await acc.wait_below_low()

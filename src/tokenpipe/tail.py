@@ -435,22 +435,6 @@ class TailControl:
                     total = asked if total is None else min(total, asked)
         return None if total is None else self.clock.now() + total
 
-    def guard(
-        self,
-        upstream: HttpUpstream,
-        model: str,
-        path: str,
-        body: bytes,
-        obj: dict[str, Any],
-        request_id: str,
-        ticket: Ticket,
-        sent_at: float,
-        end_at: float | None,
-    ) -> StreamGuard:
-        return StreamGuard(
-            self, upstream, model, path, body, obj, request_id, ticket, sent_at, end_at
-        )
-
 
 def continuable(path: str, obj: dict[str, Any]) -> bool:
     """Can a cut stream continue elsewhere? Text completions with one string prompt and one
