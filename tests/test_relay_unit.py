@@ -38,6 +38,14 @@ def _parse(reads: list[bytes], strip: bool) -> tuple[list[Piece], StreamTally]:
     return pieces, tally
 
 
+def _queued(pieces: list[Piece]) -> Accumulator:
+    """An accumulator holding these pieces, as a reader behind its client leaves them."""
+    acc = Accumulator()
+    for p in pieces:
+        acc.put(p)
+    return acc
+
+
 @pytest.mark.parametrize("strip", [True, False])
 def test_any_split_of_the_reads_gives_the_same_events_text_and_usage(strip: bool) -> None:
     whole, tally = _parse(STREAM, strip)  # one event per read: the fast path
@@ -88,10 +96,7 @@ def test_crlf_and_comment_events_pass() -> None:
 
 def test_queued_content_merges_into_one_event_with_the_same_text() -> None:
     pieces, _ = _parse(STREAM, True)
-    acc = Accumulator()
-    for p in pieces:
-        acc.put(p)
-    out, tokens = acc.take(1 << 30)
+    out, tokens = _queued(pieces).take(1 << 30)
     assert tokens == 20
     # role chunk, one merged content event, finish, [DONE]
     assert len(out) == 4 and out[1].count == 20
@@ -99,9 +104,7 @@ def test_queued_content_merges_into_one_event_with_the_same_text() -> None:
     assert merged["choices"][0]["delta"] == {"content": "".join(f" w{i}" for i in range(20))}
     # Split by a credit of 5: the first 5 deltas, then the rest, nothing lost.
     again, _ = _parse(STREAM, True)
-    acc = Accumulator()
-    for p in again[1:21]:
-        acc.put(p)
+    acc = _queued(again[1:21])
     head, n = acc.take(5)
     rest, m = acc.take(1 << 30)
     assert (n, m) == (5, 15)
@@ -152,10 +155,7 @@ def test_a_delta_with_a_role_or_a_tool_call_is_never_merged_into() -> None:
         _chunk({"content": " text"}),
     ]
     pieces, _ = _parse(reads, False)
-    acc = Accumulator()
-    for p in pieces:
-        acc.put(p)
-    out, tokens = acc.take(1 << 30)
+    out, tokens = _queued(pieces).take(1 << 30)
     assert tokens == 5
     assert [p.count for p in out] == [1, 1, 1, 2]  # only the last two plain deltas joined
     assert out[0].event() == reads[0] and out[2].event() == reads[2]  # passed as sent

@@ -346,13 +346,10 @@ class EventParser:
                 # `"usage":null` is there only because we asked for usage. OpenAI-compatible
                 # servers write it compactly after the choices; cutting the bytes saves a
                 # re-serialisation.
-                cut = None if raw is None else raw.replace(_NULL_USAGE, b"", 1)
-                if cut is not None and len(cut) != len(raw):  # type: ignore[arg-type]
-                    raw = cut
-                    data = raw[6:-2]
+                if raw is not None and len(cut := raw.replace(_NULL_USAGE, b"", 1)) != len(raw):
+                    raw, data = cut, cut[6:-2]
                 else:
-                    data = _without_usage(data)
-                    raw = None
+                    raw, data = None, _without_usage(data)
         if raw is None:
             raw = b"data: " + data + b"\n\n"
         choices = c.choices

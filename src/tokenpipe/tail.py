@@ -552,20 +552,20 @@ class StreamGuard:
         hedging = tail.settings.hedging
         now = tail.clock.now()
         ttft = tail.ttft_deadline(self.upstream.name, self.model, self.cls)
-        ttft_end = None if ttft is None else self.sent_at + ttft
-        if self.end_at is not None:
-            ttft_end = self.end_at if ttft_end is None else min(ttft_end, self.end_at)
         # The upstream's fixed read timeout bounds the wait whatever the adaptive deadline.
-        cap = self.sent_at + self.upstream.settings.read_timeout_seconds
-        ttft_end = cap if ttft_end is None else min(ttft_end, cap)
+        ttft_end = self.sent_at + self.upstream.settings.read_timeout_seconds
+        if ttft is not None:
+            ttft_end = min(ttft_end, self.sent_at + ttft)
+        if self.end_at is not None:
+            ttft_end = min(ttft_end, self.end_at)
         hedge_at = None
         if hedging.enabled:
             hedge_at = self.sent_at + tail.hedge_delay(self.upstream.name, self.model, self.cls)
         # Most first responses bring content before the hedge delay: read inline (no task, no
         # wait set) until the earlier of hedge time and TTFT deadline; the race below starts
         # only when that passes.
-        due = [t for t in (hedge_at, ttft_end) if t is not None]
-        scope = asyncio.timeout(None if not due else max(0.0, min(due) - now))
+        due = ttft_end if hedge_at is None else min(hedge_at, ttft_end)
+        scope = asyncio.timeout(max(0.0, due - now))
         try:
             async with scope:
                 await _until_content(uresp, parser, acc)
@@ -586,10 +586,9 @@ class StreamGuard:
                 if not waiting:
                     return await self._retry(uresp, parser, acc, "ttft_deadline", _late(ttft))
                 now = tail.clock.now()
-                due = [t for t in (hedge_at, ttft_end) if t is not None]
-                timeout = max(0.0, min(due) - now) if due else None
+                due = ttft_end if hedge_at is None else min(hedge_at, ttft_end)
                 done, _ = await asyncio.wait(
-                    waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                    waiting, timeout=max(0.0, due - now), return_when=asyncio.FIRST_COMPLETED
                 )
                 now = tail.clock.now()
                 if primary in done:
@@ -625,7 +624,7 @@ class StreamGuard:
                     continue
                 if done:
                     continue
-                if ttft_end is not None and now >= ttft_end:
+                if now >= ttft_end:
                     # No content from anyone in time: close all, then retry.
                     if primary is not None:
                         await _cancel(primary)
@@ -648,7 +647,7 @@ class StreamGuard:
                                 self.body,
                                 self.request_id,
                                 True,
-                                None if ttft_end is None else max(0.001, ttft_end - now),
+                                max(0.001, ttft_end - now),
                             )
                         )
         finally:
