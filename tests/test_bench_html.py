@@ -37,14 +37,14 @@ FLAGS = [
 def render(page: Path, png: Path) -> tuple[str, str]:
     """(DOM after scripts ran, console lines) and a screenshot at `png`."""
     url = page.resolve().as_uri()
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         dom = subprocess.run(
             [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
             capture_output=True,
             text=True,
             timeout=60,
         )
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         shot = subprocess.run(
             [
                 CHROMIUM,

@@ -9,9 +9,11 @@ opt-in CORS works from a real browser, preflight included (the page sends a cust
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -154,7 +156,8 @@ async def test_browser_page_renders_exactly_the_streamed_text_at_the_hinted_rate
         f"{page_origin}/index.html?auto=1&report=/report&gateway={g.url}"
         f"&rate={rate}&max_tokens={tokens}&prompt=Tell+me+a+story"
     )
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes may still be writing the throw-away profile as it goes.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         browser = await asyncio.create_subprocess_exec(
             CHROMIUM,
             *CHROMIUM_FLAGS,
@@ -162,12 +165,14 @@ async def test_browser_page_renders_exactly_the_streamed_text_at_the_hinted_rate
             url,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: stopped with its helpers
         )
         try:
             async with asyncio.timeout(60):
                 result = await page_server.get()
         finally:
-            browser.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(browser.pid, signal.SIGKILL)
             await browser.wait()
     assert result["error"] is None, result
     assert result["done"] is True
