@@ -7,11 +7,13 @@ header, URL or key is forwarded (except the request id, which the gateway itself
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from contextvars import ContextVar
 
 import aiohttp
 import orjson
+from aiohappyeyeballs import AddrInfoType
 
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.pacing import PACE_HEADER
@@ -53,6 +55,7 @@ class HttpUpstream:
                 limit=self.settings.max_connections,
                 ttl_dns_cache=300,
                 keepalive_timeout=30,
+                socket_factory=self._socket if self.settings.receive_buffer_bytes else None,
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -65,6 +68,13 @@ class HttpUpstream:
                 skip_auto_headers=("User-Agent",),
             )
         return self._session
+
+    def _socket(self, addr_info: AddrInfoType) -> socket.socket:
+        # Set before connect: the TCP window scale is fixed by the handshake.
+        family, type_, proto, _, _ = addr_info
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.settings.receive_buffer_bytes)
+        return sock
 
     async def close(self) -> None:
         if self._session is not None:

@@ -33,6 +33,10 @@ from tokenpipe.engines.sim.faults import Fault
 MAX_BODY = 16 * 1024 * 1024
 #: Bytes gathered before a write when events are due faster than they can be written.
 WRITE_BATCH = 64 * 1024
+#: Kernel send buffer of a streaming connection (bytes; Linux doubles it). Like a server
+#: across a real network, the sim holds a bounded amount in flight: a reader that stops
+#: reading stops the stream within this many bytes, whatever the machine's tcp_wmem allows.
+SEND_BUFFER_BYTES = 256 * 1024
 #: Longest a `hang-after-headers` fault holds a connection (seconds).
 MAX_HANG = 600.0
 #: Request records kept for /sim/stats (oldest dropped first).
@@ -310,6 +314,9 @@ class Sim:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
         )
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         await resp.prepare(request)
         fault = timing.fault
         fkind = fault.kind if fault else None
@@ -382,6 +389,7 @@ class Sim:
             delay = due - loop.time()
             if delay > 0 or size >= WRITE_BATCH:
                 if buf:
+                    rec.tokens = sent  # written so far, shown by /sim/stats while running
                     await resp.write(b"".join(buf))
                     buf.clear()
                     size = 0
