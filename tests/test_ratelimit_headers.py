@@ -111,3 +111,19 @@ def test_retry_after_as_http_date() -> None:
 def test_no_rate_limit_headers_means_nothing_learned() -> None:
     info = parse({"content-type": "application/json", "x-ratelimit-remaining-requests": "x"}, NOW)
     assert not info
+
+
+def test_openai_headers_win_over_anthropic_and_a_reset_alone_says_nothing() -> None:
+    info = parse(
+        {
+            "X-RateLimit-Limit-Requests": "60",  # names are case-insensitive
+            "anthropic-ratelimit-requests-limit": "50",
+            "anthropic-ratelimit-requests-remaining": "49",
+            "x-ratelimit-reset-tokens": "1s",  # no limit, no remaining: not a reading
+            "anthropic-ratelimit-tokens-remaining": "900",
+        },
+        NOW,
+    )
+    assert info.requests is not None and info.requests.limit == 60
+    assert info.requests.remaining is None  # not mixed with Anthropic's figures
+    assert info.tokens is not None and info.tokens.remaining == 900 and info.tokens.reset is None

@@ -136,8 +136,10 @@ class TailControl:
         self.breakers = {
             u.name: CircuitBreaker(b.failures, b.cooldown_seconds, clock) for u in router.upstreams
         }
+        # The circuit state gauge, set when it changes (it is looked at on every request).
+        self._shown = dict.fromkeys(self.breakers, State.CLOSED)
         for name in self.breakers:
-            metrics.UPSTREAM_STATE.labels(name).set(0)
+            metrics.UPSTREAM_STATE.labels(name).set(int(State.CLOSED))
         #: Some upstream continues a trailing assistant message (chat recovery is possible).
         self.continues_chat = any(u.settings.continue_final_message for u in router.upstreams)
         # (upstream, model, prompt class) -> TTFT; (upstream, model) -> gaps between reads.
@@ -223,7 +225,10 @@ class TailControl:
         return order[0] if order else None
 
     def _state(self, name: str) -> None:
-        metrics.UPSTREAM_STATE.labels(name).set(int(self.breakers[name].state))
+        state = self.breakers[name].state
+        if self._shown[name] is not state:
+            self._shown[name] = state
+            metrics.UPSTREAM_STATE.labels(name).set(int(state))
 
     def _healthy(self, name: str) -> None:
         self.breakers[name].success()

@@ -121,30 +121,43 @@ def _number(text: str | None) -> float | None:
 
 
 def parse(headers: Mapping[str, str], now_wall: float) -> RateLimits:
-    """Everything the headers say about limits; unknown or malformed values are left out."""
-    h = {k.lower(): v for k, v in headers.items()}
+    """Everything the headers say about limits; unknown or malformed values are left out.
+
+    One pass over the headers (this runs for every upstream answer): a response names each
+    header once, and most name none of these."""
+    openai: dict[str, dict[str, str]] = {}  # kind -> field (limit/remaining/reset) -> value
+    anthropic: dict[str, dict[str, str]] = {}
+    retry_after = retry_after_ms = None
+    for name, value in headers.items():
+        n = name.lower()
+        if n.startswith("x-ratelimit-"):  # x-ratelimit-{field}-{kind}
+            what, _, kind = n[12:].partition("-")
+            openai.setdefault(kind, {})[what] = value
+        elif n.startswith("anthropic-ratelimit-"):  # anthropic-ratelimit-{kind}-{field}
+            kind, _, what = n[20:].rpartition("-")
+            anthropic.setdefault(kind, {})[what] = value
+        elif n == "retry-after":
+            retry_after = value
+        elif n == "retry-after-ms":
+            retry_after_ms = value
     out = RateLimits()
-    for kind in _KINDS:
-        oa = Reading(
-            _number(h.get(f"x-ratelimit-limit-{kind}")),
-            _number(h.get(f"x-ratelimit-remaining-{kind}")),
-        )
-        reset = h.get(f"x-ratelimit-reset-{kind}")
-        oa.reset = parse_duration(reset) if reset is not None else None
-        an = Reading(
-            _number(h.get(f"anthropic-ratelimit-{kind}-limit")),
-            _number(h.get(f"anthropic-ratelimit-{kind}-remaining")),
-        )
-        reset = h.get(f"anthropic-ratelimit-{kind}-reset")
-        an.reset = parse_instant(reset, now_wall) if reset is not None else None
-        for reading in (oa, an):
-            if reading.limit is not None or reading.remaining is not None:
-                out.readings.setdefault(kind, reading)
-    ms = _number(h.get("retry-after-ms"))
+    for kind in _KINDS if openai or anthropic else ():
+        for fields, instant in ((openai.get(kind), False), (anthropic.get(kind), True)):
+            if not fields:
+                continue
+            reading = Reading(_number(fields.get("limit")), _number(fields.get("remaining")))
+            if reading.limit is None and reading.remaining is None:
+                continue
+            reset = fields.get("reset")
+            if reset is not None:
+                reading.reset = parse_instant(reset, now_wall) if instant else parse_duration(reset)
+            out.readings[kind] = reading
+            break  # OpenAI's headers win over Anthropic's for the same kind
+    ms = _number(retry_after_ms)
     if ms is not None:
         out.retry_after = max(0.0, ms / 1000.0)
-    elif "retry-after" in h:
-        out.retry_after = parse_retry_after(h["retry-after"], now_wall)
+    elif retry_after is not None:
+        out.retry_after = parse_retry_after(retry_after, now_wall)
     return out
 
 

@@ -8,7 +8,6 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     disable_created_metrics,
     generate_latest,
 )
@@ -46,28 +45,29 @@ _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 
 LABELS = ("upstream", "model")
 
-TTFT = Histogram(
+TTFT = FastHistogram(
     "tokenpipe_ttft_seconds",
     "Time from request arrival to the first content token sent to the client.",
     LABELS,
     buckets=_TTFT_BUCKETS,
     registry=REGISTRY,
 )
-ITL = FastHistogram(  # observed per chunk: the cheap kind (see fasthist.py)
+# The histograms observed per request or per chunk are the cheap kind (see fasthist.py).
+ITL = FastHistogram(
     "tokenpipe_itl_seconds",
     "Gap between consecutive content chunks sent to the client (per chunk).",
     LABELS,
     buckets=_ITL_BUCKETS,
     registry=REGISTRY,
 )
-TPOT = Histogram(
+TPOT = FastHistogram(
     "tokenpipe_tpot_seconds",
     "Time per output token after the first: (end - first token) / (completion tokens - 1).",
     LABELS,
     buckets=_ITL_BUCKETS,
     registry=REGISTRY,
 )
-REQUEST_DURATION = Histogram(
+REQUEST_DURATION = FastHistogram(
     "tokenpipe_request_duration_seconds",
     "Time from request arrival to the end of the response.",
     LABELS,
@@ -97,7 +97,7 @@ INFLIGHT = Gauge(
 # -- rate limiting and concurrency (control/, admission) ------------------------------------
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
 
-LIMITER_WAIT = Histogram(
+LIMITER_WAIT = FastHistogram(
     "tokenpipe_limiter_wait_seconds",
     "Time a request waited for upstream capacity (rate buckets and concurrency).",
     ("upstream",),

@@ -14,6 +14,7 @@ from contextvars import ContextVar
 import aiohttp
 import orjson
 from aiohappyeyeballs import AddrInfoType
+from yarl import URL
 
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.pacing import PACE_HEADER
@@ -47,6 +48,8 @@ class HttpUpstream:
             self._headers["authorization"] = f"Bearer {key}"
         self._models: list[str] | None = None
         self._models_at = 0.0
+        # Parsed once per path: aiohttp parses a str URL on every request.
+        self._urls: dict[str, URL] = {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -66,6 +69,9 @@ class HttpUpstream:
                 ),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent",),
+                # No cookies: one upstream session serves every client, so a cookie an
+                # upstream sets (e.g. a CDN's) must not travel with other clients' requests.
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 
@@ -94,6 +100,9 @@ class HttpUpstream:
         stall deadline, capped by `read_timeout_seconds`, with one timer per stream);
         aiohttp's own read timeout would re-arm a timer on every chunk, i.e. every token.
         """
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self.base_url + path)
         headers = dict(self._headers)
         headers["x-request-id"] = request_id
         pace = PACE.get()
@@ -102,10 +111,10 @@ class HttpUpstream:
         try:
             if not stream:
                 return await self.session.post(
-                    self.base_url + path, data=body, headers=headers, allow_redirects=False
+                    url, data=body, headers=headers, allow_redirects=False
                 )
             return await self.session.post(
-                self.base_url + path,
+                url,
                 data=body,
                 headers=headers,
                 allow_redirects=False,
