@@ -57,10 +57,18 @@ def gateway(sim_url: str, grpc_port: int = 0) -> Service:
     )
 
 
-def bare_relay(sim_url: str) -> Service:
-    """The byte-forwarding floor (benchmarks/bare_relay.py) in front of a sim."""
+def bare_relay(sim_url: str, cpu_us: float = 0.0) -> Service:
+    """The byte-forwarding floor (benchmarks/bare_relay.py) in front of a sim; `cpu_us`:
+    CPU it spins per request (a diagnostic)."""
     return Service(
-        argv=[sys.executable, str(ROOT / "benchmarks" / "bare_relay.py"), "--upstream", sim_url],
+        argv=[
+            sys.executable,
+            str(ROOT / "benchmarks" / "bare_relay.py"),
+            "--upstream",
+            sim_url,
+            "--cpu-us",
+            str(cpu_us),
+        ],
         name="bare-relay",
     )
 

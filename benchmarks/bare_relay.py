@@ -1,12 +1,16 @@
 """The floor for any Python gateway: a byte-forwarding aiohttp relay, no parsing, no metrics.
 
 python benchmarks/bare_relay.py --upstream http://127.0.0.1:9000 --port 0
+
+`--cpu-us N` (a diagnostic, see overhead.py --burn-us) spins N microseconds of CPU on each
+request before forwarding it: a relay with a gateway's per-request cost and nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 import aiohttp
 from aiohttp import web
@@ -14,7 +18,7 @@ from aiohttp import web
 from tokenpipe import serving
 
 
-def app(upstream: str) -> web.Application:
+def app(upstream: str, cpu_us: float = 0.0) -> web.Application:
     session: aiohttp.ClientSession | None = None
 
     async def relay(request: web.Request) -> web.StreamResponse:
@@ -22,6 +26,10 @@ def app(upstream: str) -> web.Application:
         if session is None:
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
         body = await request.read()
+        if cpu_us:
+            end = time.perf_counter() + cpu_us / 1e6
+            while time.perf_counter() < end:
+                pass
         async with session.post(
             upstream + request.path, data=body, headers={"content-type": "application/json"}
         ) as up:
@@ -44,10 +52,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--upstream", required=True, help="sim base URL without /v1")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--cpu-us", type=float, default=0.0, help="CPU to spin per request (us)")
     args = p.parse_args()
     serving.run(
         serving.serve(
-            app(args.upstream.rstrip("/")),
+            app(args.upstream.rstrip("/"), args.cpu_us),
             "127.0.0.1",
             args.port,
             drain_seconds=1,

@@ -6,6 +6,11 @@ machine noise lands on every target alike. Prints a table and writes JSON.
 
     python benchmarks/overhead.py                      # paced (200 tokens/s/stream) and unpaced
     python benchmarks/overhead.py --litellm off --concurrency 64 --rounds 5
+    python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --burn-us 700
+
+`--burn-us N` adds a target: the bare relay spinning N us of CPU per request. Where all 64
+streams start together, each request's CPU delays the ones behind it, so this shows what a
+gateway's per-request cost alone does to TTFT and throughput.
 
 LiteLLM is installed on first use into .cache/litellm-venv (its own venv: its pins must not
 touch ours); `--litellm off` skips it.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -181,6 +187,7 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
         ) as sim,
         bare_relay(sim.url) as relay,
         gateway(sim.url) as gw,
+        bare_relay(sim.url, args.burn_us) if args.burn_us else contextlib.nullcontext() as burn,
     ):
         litellm = None
         if args.litellm != "off":
@@ -193,6 +200,8 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
                     Target("bare-relay", relay.url + "/v1", relay.pid),
                     Target("tokenpipe", gw.url + "/v1", gw.pid),
                 ]
+                if burn is not None:
+                    targets.append(Target(f"relay+{args.burn_us:g}us", burn.url + "/v1", burn.pid))
                 if litellm is not None:
                     targets.append(
                         Target("litellm", f"http://127.0.0.1:{port}/v1", litellm.pid, LITELLM_KEY)
@@ -237,6 +246,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--litellm", choices=["auto", "off"], default="auto")
+    p.add_argument(
+        "--burn-us", type=float, default=0.0, help="add a relay spinning this CPU per request"
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "overhead.json"))
     args = p.parse_args()
     install_uvloop()
