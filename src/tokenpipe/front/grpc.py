@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +22,7 @@ import orjson
 from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
+from tokenpipe import request_ids
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
@@ -192,7 +192,7 @@ class _Session:
             obj,
             orjson.dumps(obj),
             key=self.key,
-            request_id=uuid.uuid4().hex,
+            request_id=request_ids.new(),
             started=started,
             headers={},
         )

@@ -11,7 +11,6 @@ import logging
 import re
 import socket
 import time
-import uuid
 from importlib import resources
 from typing import Any
 
@@ -19,7 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from tokenpipe import sse
+from tokenpipe import request_ids, sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import cors, schema
@@ -90,7 +89,7 @@ def _request_id(request: web.Request) -> str:
         return known
     rid = request.headers.get("x-request-id")
     if rid is None or not _REQUEST_ID.match(rid):
-        rid = uuid.uuid4().hex
+        rid = request_ids.new()
     request["request_id"] = rid
     return rid
 
