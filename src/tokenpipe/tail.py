@@ -43,7 +43,6 @@ from tokenpipe.control.budget import RatioBudget, backoff
 from tokenpipe.control.deadline import AdaptiveDeadline
 from tokenpipe.control.quantiles import RollingQuantiles
 from tokenpipe.control.traffic import Ticket
-from tokenpipe.deadline_scope import DeadlineScope
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
 from tokenpipe.relay import Accumulator, EventParser, chunk_has_content
@@ -272,7 +271,7 @@ class TailControl:
             cap = a.upstream.settings.read_timeout_seconds
             deadline = cap if deadline is None else min(deadline, cap)
         try:
-            with DeadlineScope(deadline):
+            async with asyncio.timeout(deadline):
                 try:
                     resp = await a.upstream.post(path, body, request_id, streamed)
                 except GatewayError as e:
@@ -571,12 +570,12 @@ class StreamGuard:
         # wait set) until the earlier of hedge time and TTFT deadline; the race below starts
         # only when that passes.
         due = ttft_end if hedge_at is None else min(hedge_at, ttft_end)
-        scope = DeadlineScope(max(0.0, due - now))
+        scope = asyncio.timeout(max(0.0, due - now))
         try:
-            with scope:
+            async with scope:
                 await _until_content(uresp, parser, acc)
         except TimeoutError:
-            if not scope.expired:
+            if not scope.expired():
                 raise  # not ours: aiohttp's own read timeout (a TimeoutError too)
         except Exception as e:
             if acc.write_error is not None or isinstance(e, sse.SSEProtocolError):
