@@ -6,6 +6,7 @@ header, URL or key is forwarded (except the request id, which the gateway itself
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
@@ -31,6 +32,9 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 PACE: ContextVar[float | None] = ContextVar("tokenpipe_pace", default=None)
 #: How long a list of the upstream's models is trusted before it is asked again (seconds).
 MODELS_TTL = 60.0
+#: How long after a failed /models the upstream is not asked again (seconds): one that has no
+#: such route must not get an extra request in front of every completion.
+MODELS_RETRY = 10.0
 
 
 class HttpUpstream:
@@ -48,6 +52,8 @@ class HttpUpstream:
             self._headers["authorization"] = f"Bearer {key}"
         self._models: list[str] | None = None
         self._models_at = 0.0
+        self._models_failed_at = -MODELS_RETRY
+        self._models_lock = asyncio.Lock()  # one /models request at a time (a cold burst)
         # Parsed once per path: aiohttp parses a str URL on every request.
         self._urls: dict[str, URL] = {}
 
@@ -147,10 +153,25 @@ class HttpUpstream:
         return sorted(set(configured) | set(listed or ()))
 
     async def listed_models(self) -> list[str] | None:
-        """The upstream's own /v1/models, cached for MODELS_TTL; None when it cannot say."""
-        now = time.monotonic()
+        """The upstream's own /v1/models, cached for MODELS_TTL; None when it cannot say (not
+        asked again for MODELS_RETRY)."""
+        hit, found = self._cached_models(time.monotonic())
+        if hit:
+            return found
+        async with self._models_lock:
+            now = time.monotonic()
+            hit, found = self._cached_models(now)
+            if hit:  # fetched (or failed) while this request waited for the lock
+                return found
+            return await self._fetch_models(now)
+
+    def _cached_models(self, now: float) -> tuple[bool, list[str] | None]:
+        """(True, answer) while the last list is fresh or the last failure recent."""
         if self._models is not None and now - self._models_at < MODELS_TTL:
-            return self._models
+            return True, self._models
+        return now - self._models_failed_at < MODELS_RETRY, None
+
+    async def _fetch_models(self, now: float) -> list[str] | None:
         try:
             async with self.session.get(
                 self.base_url + "/models",
@@ -158,12 +179,14 @@ class HttpUpstream:
                 timeout=aiohttp.ClientTimeout(total=5),
             ) as resp:
                 if resp.status != 200:
+                    self._models_failed_at = now
                     return None
                 data = orjson.loads(await resp.read())
             self._models = [m["id"] for m in data["data"]]
             self._models_at = now
         except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, KeyError, TypeError):
             log.warning("upstream %s: could not list its models", self.name)
+            self._models_failed_at = now
             return None
         return self._models
 
