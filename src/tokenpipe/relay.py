@@ -915,13 +915,14 @@ def emit_sse(
     reader must go on reading and merging while a client falls behind. It frames the HTTP/1.1
     chunk itself and hands it to the transport in one call: aiohttp's writer takes five
     Python frames and a coroutine per write for the same bytes, and this runs once per
-    token. aiohttp sends the headers with the first body bytes, so the first write is
-    `emit`'s (usually the role chunk); `ready` says the client can take a direct write: that
-    one is done and the transport holds no more than its low watermark (not "nothing":
-    uvloop sends what was written at the end of the loop iteration, so a buffer that is
-    not empty yet does not mean a slow client; one that holds a few KiB does). write_now
-    is None on a response that is not chunked (HTTP/1.0) or compressed: then the writer
-    task writes everything.
+    token. aiohttp holds the prepared headers back to send them with the first body bytes;
+    a first direct write sends them itself (`StreamWriter.send_headers`), so the role chunk
+    and the first token need no hop through the writer task either. `ready` says the client
+    can take a direct write: the transport holds no more than its low watermark (not
+    "nothing": uvloop sends what was written at the end of the loop iteration, so a buffer
+    that is not empty yet does not mean a slow client; one that holds a few KiB does).
+    write_now is None on a response that is not chunked (HTTP/1.0) or compressed: then the
+    writer task writes everything.
     """
     started = False
 
@@ -951,18 +952,25 @@ def emit_sse(
     transport = writer.transport
 
     low = transport.get_write_buffer_limits()[0] if transport is not None else 0
+    # aiohttp holds the headers back until the first write and can send them alone.
+    send_headers: Callable[[], None] | None = getattr(writer, "send_headers", None)
 
     def ready() -> bool:
-        return started and transport.get_write_buffer_size() <= low
+        return (started or send_headers is not None) and transport.get_write_buffer_size() <= low
 
     chunked = response.headers.get("Transfer-Encoding") == "chunked"  # set by prepare()
     if not chunked or response.compression or transport is None:
         return emit, None, ready
 
     def write_now(pieces: list[Piece]) -> None:
+        nonlocal started
         data = encode(pieces)
         if transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
+        if not started:
+            assert send_headers is not None  # ready() said so
+            send_headers()
+            started = True
         transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     return emit, write_now, ready
