@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,8 @@ import psutil
 from tokenpipe.bench.procs import Service
 
 ROOT = Path(__file__).resolve().parent.parent
+#: LiteLLM lives in its own venv: its pins must not touch ours.
+LITELLM_VENV = ROOT / ".cache" / "litellm-venv"
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -80,3 +85,44 @@ def write_json(path: str, benchmark: str, args: Any, **result: Any) -> None:
     report = {"benchmark": benchmark, "args": vars(args), "cpus": os.cpu_count(), **result}
     out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {path}")
+
+
+def litellm(
+    name: str, port: int, config: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes] | None:
+    """Starts LiteLLM's proxy on 127.0.0.1:`port` with `config` (its YAML), installing it into
+    .cache/litellm-venv on first use. Returns None when it cannot be installed or has not
+    answered its liveness check within 180 s; its output is in .cache/litellm-{name}.log."""
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists():
+        print("installing LiteLLM proxy into .cache/litellm-venv (one-off) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        pip = str(LITELLM_VENV / "bin" / "pip")
+        r = subprocess.run([pip, "install", "-q", "litellm[proxy]"], check=False)
+        if r.returncode != 0 or not exe.exists():
+            print("LiteLLM could not be installed", flush=True)
+            return None
+    cfg = ROOT / ".cache" / f"litellm-{name}.yaml"
+    cfg.write_text(config)
+    full_env = {
+        **os.environ,
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no cost-map download: there is no network
+        "LITELLM_TELEMETRY": "False",
+        **(env or {}),
+    }
+    log = open(ROOT / ".cache" / f"litellm-{name}.log", "wb")  # noqa: SIM115 (the child's)
+    argv = [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*argv, "--num_workers", "1"], stdout=log, stderr=subprocess.STDOUT, env=full_env
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/liveliness", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.5)  # a child's start-up, polled with a deadline
+    proc.kill()
+    print(f"LiteLLM did not start; see .cache/litellm-{name}.log", flush=True)
+    return None

@@ -21,23 +21,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import subprocess
-import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import bare_relay, cpu_seconds, fmt, free_port, gateway, write_json
+from _common import bare_relay, cpu_seconds, fmt, free_port, gateway, litellm, write_json
 
 from tokenpipe.bench import Summary, run_load
 from tokenpipe.bench.procs import Service
 from tokenpipe.serving import install_uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
-LITELLM_VENV = ROOT / ".cache" / "litellm-venv"
 MODEL = "sim-model"
 #: LiteLLM's proxy refuses to start without a master key; clients then must present it.
 LITELLM_KEY = "sk-tokenpipe-bench-0123456789abcdef"
@@ -55,19 +50,8 @@ class Target:
 
 
 def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
-    """Starts LiteLLM's proxy (installing it first if needed); None when it cannot run."""
-    exe = LITELLM_VENV / "bin" / "litellm"
-    if not exe.exists():
-        print("installing LiteLLM proxy into .cache/litellm-venv (one-off) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-        r = subprocess.run(
-            [str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=False
-        )
-        if r.returncode != 0 or not exe.exists():
-            print("LiteLLM could not be installed; skipping it", flush=True)
-            return None
-    cfg = ROOT / ".cache" / "litellm-overhead.yaml"
-    cfg.write_text(
+    """LiteLLM's proxy in front of the sim (None when it cannot run: the run goes on without)."""
+    config = (
         "model_list:\n"
         f"  - model_name: {MODEL}\n"
         "    litellm_params:\n"
@@ -77,42 +61,7 @@ def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
         "litellm_settings:\n"
         "  num_retries: 0\n"
     )
-    # No cost-map download (there is no network here) and a master key, as it demands.
-    env = {
-        **os.environ,
-        "LITELLM_LOG": "ERROR",
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "LITELLM_MASTER_KEY": LITELLM_KEY,
-    }
-    proc = subprocess.Popen(
-        [
-            str(exe),
-            "--config",
-            str(cfg),
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--num_workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            print("LiteLLM exited at start; skipping it", flush=True)
-            return None
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/liveliness", timeout=1):
-                return proc
-        except OSError:
-            time.sleep(0.5)  # a child's start-up, not test synchronisation
-    proc.kill()
-    print("LiteLLM did not start within 180 s; skipping it", flush=True)
-    return None
+    return litellm("overhead", port, config, {"LITELLM_MASTER_KEY": LITELLM_KEY})
 
 
 async def _run_target(t: Target, concurrency: int, requests: int, max_tokens: int) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -41,10 +40,11 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _common import litellm  # noqa: E402
+
 from tests.redis_server import RedisServer, free_port  # noqa: E402
 from tokenpipe.bench.procs import gateway, sim  # noqa: E402
 
-LITELLM_VENV = ROOT / ".cache" / "litellm-venv"
 MODEL = "sim-model"
 CONTENDERS = ("naive", "tokenpipe", "tokenpipe3", "litellm")
 #: Longest the app waits for its last requests after the offered window (seconds).
@@ -107,15 +107,7 @@ def sim_records(url: str) -> list[dict[str, Any]]:
 
 
 def _litellm(sim_url: str, port: int, rpm: float) -> subprocess.Popen[bytes]:
-    exe = LITELLM_VENV / "bin" / "litellm"
-    if not exe.exists():
-        print("installing LiteLLM proxy into .cache/litellm-venv (one-off) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-        subprocess.run(
-            [str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True
-        )
-    cfg = ROOT / ".cache" / "litellm-ratelimit.yaml"
-    cfg.write_text(
+    config = (
         "model_list:\n"
         f"  - model_name: {MODEL}\n"
         "    litellm_params:\n"
@@ -124,34 +116,13 @@ def _litellm(sim_url: str, port: int, rpm: float) -> subprocess.Popen[bytes]:
         "      api_key: sk-sim\n"
         f"      rpm: {int(rpm)}\n"
     )
-    env = {
-        **os.environ,
-        "LITELLM_LOG": "ERROR",
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch from the internet at start
-        "LITELLM_TELEMETRY": "False",
-        "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",  # loopback only
-    }
-    log = open(ROOT / ".cache" / "litellm-ratelimit.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
+    # No master key: clients call it without one (loopback only).
+    proc = litellm(
+        "ratelimit", port, config, {"LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true"}
     )
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{port}/health/liveliness", timeout=2
-            ) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("LiteLLM proxy did not start; see .cache/litellm-ratelimit.log")
-        time.sleep(0.5)  # polling readiness with a deadline
+    if proc is None:
+        raise RuntimeError("LiteLLM proxy did not start; see .cache/litellm-ratelimit.log")
+    return proc
 
 
 async def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
