@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.local_app import serving
 from tokenpipe.clock import ManualClock
 from tokenpipe.context import plan, summary, tokens
 from tokenpipe.context.gguf_meta import read_metadata
@@ -225,25 +226,20 @@ async def test_window_is_discovered_from_the_upstream_models_list_and_cached() -
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    upstream = HttpUpstream(UpstreamSettings(name="u", url=f"http://127.0.0.1:{port}/v1"))
-    clock = ManualClock()
-    found = WindowDiscovery(clock)
-    try:
-        assert await found.window(upstream, "served") == 4096
-        assert await found.window(upstream, "llamacpp") == 8192
-        assert await found.window(upstream, "plain") is None
-        assert hits == 1
-        clock.advance(61)
-        assert await found.window(upstream, "served") == 4096
-        assert hits == 2
-    finally:
-        await upstream.close()
-        await runner.cleanup()
+    async with serving(app) as url:
+        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"))
+        clock = ManualClock()
+        found = WindowDiscovery(clock)
+        try:
+            assert await found.window(upstream, "served") == 4096
+            assert await found.window(upstream, "llamacpp") == 8192
+            assert await found.window(upstream, "plain") is None
+            assert hits == 1
+            clock.advance(61)
+            assert await found.window(upstream, "served") == 4096
+            assert hits == 2
+        finally:
+            await upstream.close()
 
 
 @pytest.mark.parametrize("spec", ["estimate", "tiktoken:no_such_encoding"])

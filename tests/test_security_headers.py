@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from tests import procs
+from tests.local_app import serving
 from tests.sse_client import post_stream
 
 UPSTREAM_KEY = "sk-upstream-configured-0123456789"
@@ -105,13 +106,8 @@ async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", rec.chat)
     app.router.add_get("/v1/models", rec.models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield rec, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving(app) as url:
+        yield rec, url
 
 
 def _gateway_config(tmp_path: Path, upstream: str, extra: str = "") -> Path:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from tests.local_app import serving
 from tokenpipe.settings import UpstreamSettings
 from tokenpipe.upstream.http import HttpUpstream
 
@@ -34,15 +35,10 @@ async def models() -> AsyncIterator[tuple[Models, HttpUpstream]]:
     m = Models()
     app = web.Application()
     app.router.add_get("/v1/models", m.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    upstream = HttpUpstream(UpstreamSettings(name="u", url=f"http://127.0.0.1:{port}/v1"))
-    yield m, upstream
-    await upstream.close()
-    await runner.cleanup()
+    async with serving(app) as url:
+        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"))
+        yield m, upstream
+        await upstream.close()
 
 
 async def test_a_cold_burst_asks_once(models: tuple[Models, HttpUpstream]) -> None:
