@@ -476,3 +476,25 @@ def test_tool_definitions_count_against_the_window(gateway: procs.Service) -> No
     r, _ = chat(gateway, "summarized", msgs, max_tokens=200, tools=tools)
     assert r.status_code == 200, r.text
     assert int(r.headers["x-tokenpipe-max-tokens"]) < 200
+
+
+def limiter_passes(gw: procs.Service, upstream: str) -> float:
+    """Requests that went through `upstream`'s limiter so far (its wait histogram's count)."""
+    prefix = f'tokenpipe_limiter_wait_seconds_count{{upstream="{upstream}"}} '
+    for line in httpx.get(gw.url + "/metrics").text.splitlines():
+        if line.startswith(prefix):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_summary_call_passes_the_upstream_limiter_like_any_request(
+    gateway: procs.Service,
+) -> None:
+    """A summary spends the upstream's rate limits too: it waits for capacity in the limiter
+    (and gives it back) instead of going around it."""
+    warm_up(gateway, "summarized")
+    before = limiter_passes(gateway, "fast")
+    r, _ = chat(gateway, "summarized", conversation(40, tag="lim"), max_tokens=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-tokenpipe-context"].endswith("summary=new")
+    assert limiter_passes(gateway, "fast") == before + 2  # the summary, then the request

@@ -32,8 +32,8 @@ class Gateway:
         self.settings = settings
         self.router = router
         self.auth = Authenticator(settings.auth.api_keys)
-        self.context = ContextBudget(settings.context, router)
         self.traffic = TrafficControl(settings)
+        self.context = ContextBudget(settings.context, router, self.traffic.internal)
         self.tail = TailControl(settings.tail, router)
         self.draining = False
 

@@ -15,17 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
 import orjson
 
+from tokenpipe import request_ids
 from tokenpipe.context import plan, summary, tokens
 from tokenpipe.context.gguf_meta import GGUFError, read_metadata
 from tokenpipe.context.windows import WindowDiscovery, known_window
+from tokenpipe.control.traffic import Ticket
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
 from tokenpipe.observe import metrics
@@ -76,9 +77,16 @@ UNCHANGED = ContextOutcome()
 
 
 class ContextBudget:
-    def __init__(self, settings: ContextSettings, router: Router) -> None:
+    def __init__(
+        self,
+        settings: ContextSettings,
+        router: Router,
+        tickets: Callable[[dict[str, Any]], Ticket] | None = None,
+    ) -> None:
         self.settings = settings
         self.router = router
+        #: Passage through the upstream limiters for summary calls (None: they go unlimited).
+        self.tickets = tickets
         self.models: dict[str, ContextModel] = {m.name: m for m in settings.models}
         self.cache = summary.SummaryCache(settings.summary_cache_entries)
         #: Where truncation cut recent histories (prefix hashes), to cut there again.
@@ -417,31 +425,45 @@ class ContextBudget:
             fresh = fresh[start:]
             if not fresh and previous is None:
                 raise ValueError("no message fits the summarizer's window")
-        body = orjson.dumps(
-            {
-                "model": model,
-                "stream": False,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "messages": [
-                    {"role": "system", "content": summary.INSTRUCTIONS},
-                    {"role": "user", "content": summary.transcript(previous, fresh)},
-                ],
-            }
-        )
-        _upstream, resp = await self.router.open(
-            model, "/chat/completions", body, "ctx-summary-" + uuid.uuid4().hex[:16]
-        )
+        request = {
+            "model": model,
+            "stream": False,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": summary.INSTRUCTIONS},
+                {"role": "user", "content": summary.transcript(previous, fresh)},
+            ],
+        }
+        # Through the upstream limiter (it waits for capacity and learns from the answer),
+        # which the summary's own deadline bounds.
+        ticket = self.tickets(request) if self.tickets is not None else None
+        usage = None
+        status: int | None = None
         try:
-            raw = await read_bounded(resp, MAX_SUMMARY_BYTES)
+            _upstream, resp = await self.router.open(
+                model,
+                "/chat/completions",
+                orjson.dumps(request),
+                "ctx-summary-" + request_ids.new(),
+                ticket,
+            )
+            status = resp.status
+            try:
+                raw = await read_bounded(resp, MAX_SUMMARY_BYTES)
+            finally:
+                resp.close()
+            if resp.status != 200:
+                raise ValueError(f"summarizer answered {resp.status}")
+            try:
+                answer = orjson.loads(raw)
+                text = answer["choices"][0]["message"]["content"]
+            except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise ValueError("summarizer answer is not a chat completion") from None
+            usage = answer.get("usage") if isinstance(answer, dict) else None
         finally:
-            resp.close()
-        if resp.status != 200:
-            raise ValueError(f"summarizer answered {resp.status}")
-        try:
-            text = orjson.loads(raw)["choices"][0]["message"]["content"]
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-            raise ValueError("summarizer answer is not a chat completion") from None
+            if ticket is not None:
+                ticket.finish(usage if isinstance(usage, dict) else None, status)
         if not isinstance(text, str) or not text.strip():
             raise ValueError("summarizer wrote an empty summary")
         return text.strip()

@@ -38,6 +38,10 @@ def _configured(u: UpstreamLimits | None) -> Limits:
     return Limits(spec(u.rpm), spec(u.tpm))
 
 
+#: The limiter queue key of the gateway's own calls (fair-queued like one more client).
+INTERNAL_KEY = "tokenpipe-internal"
+
+
 class TrafficControl:
     def __init__(self, settings: Settings, clock: Clock = MONOTONIC) -> None:
         lim = settings.limits
@@ -86,6 +90,12 @@ class TrafficControl:
         c = cost_mod.of_request(request, self.settings.default_output_tokens)
         grant = await self.admission.admit(key, c.tokens)
         return Ticket(self, key, c, grant)
+
+    def internal(self, request: dict[str, Any]) -> Ticket:
+        """A ticket for the gateway's own upstream calls (context summaries): they spend the
+        upstream's rate limits like any request, but no client's quota."""
+        c = cost_mod.of_request(request, self.settings.default_output_tokens)
+        return Ticket(self, INTERNAL_KEY, c, None)
 
     async def start(self) -> None:
         await self.store.start()
