@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import grpc
 import openai
+import orjson
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -200,3 +201,35 @@ async def test_server_reflection_lists_the_chat_service(grpc_gateway: Any) -> No
             names = [s.name for s in resp.list_services_response.service]
             break
     assert "tokenpipe.v1.Chat" in names
+
+
+async def test_log_lines_of_a_grpc_request_carry_its_upstream_request_id(
+    sim: procs.Service,
+) -> None:
+    port = _free_port()
+    with procs.Service(
+        "serve",
+        "--port",
+        "0",
+        "--grpc-port",
+        str(port),
+        "--upstream",
+        sim.url + "/v1",
+        "--log-format",
+        "json",
+        name="gateway",
+    ) as g:
+        async with Stream(f"127.0.0.1:{port}") as s:
+            # A 429 makes the limiter log that it pauses the upstream, inside the request.
+            await s.outbox.put(_request("limited", "[[sim fault=status:429]]"))
+            await s.wait(lambda: s.finished("limited"))
+        lines = g.output().splitlines()
+    records = [orjson.loads(line) for line in lines if line.startswith("{")]
+    paused = [r for r in records if "answered 429" in r["message"]]
+    assert paused, lines
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(sim.url + "/sim/stats?last=1000") as r,
+    ):
+        limited = {x["id"] for x in (await r.json())["records"] if x["status"] == 429}
+    assert all(rec.get("request_id") in limited for rec in paused), (paused, limited)

@@ -27,6 +27,7 @@ from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
 from tokenpipe.front.grpc_gen import chat_pb2, chat_pb2_grpc
+from tokenpipe.observe import logs
 from tokenpipe.pipeline import Gateway
 from tokenpipe.relay import EventParser, Piece, relay_stream
 from tokenpipe.upstream import http as upstream_http
@@ -158,8 +159,12 @@ class _Session:
         state.task.add_done_callback(lambda _: self.requests.pop(rid, None))
 
     async def _serve(self, rid: str, req: chat_pb2.ChatRequest, state: _Request) -> None:
+        # This request's own task: its log lines carry the id its upstream requests are sent
+        # with (the client's request_id names it only within this stream).
+        request_id = request_ids.new()
+        logs.REQUEST_ID.set(request_id)
         try:
-            await self._serve_unguarded(rid, req, state)
+            await self._serve_unguarded(rid, req, state, request_id)
         except GatewayError as e:
             await self.error(rid, e)
         except asyncio.CancelledError:
@@ -168,7 +173,9 @@ class _Session:
             log.exception("gRPC request %s failed", rid)
             await self.error(rid, GatewayError(500, "Internal error in the gateway."))
 
-    async def _serve_unguarded(self, rid: str, req: chat_pb2.ChatRequest, state: _Request) -> None:
+    async def _serve_unguarded(
+        self, rid: str, req: chat_pb2.ChatRequest, state: _Request, request_id: str
+    ) -> None:
         started = time.perf_counter()
         if state.gate.rate:  # a pace set before the request reaches a generating upstream
             upstream_http.PACE.set(state.gate.rate)
@@ -192,7 +199,7 @@ class _Session:
             obj,
             orjson.dumps(obj),
             key=self.key,
-            request_id=request_ids.new(),
+            request_id=request_id,
             started=started,
             headers={},
         )
