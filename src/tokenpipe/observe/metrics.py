@@ -12,9 +12,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-# `_created` series double the exposition size and no dashboard of ours reads them.
 from tokenpipe.observe.fasthist import FastHistogram
 
+# `_created` series double the exposition size and no dashboard of ours reads them.
 disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -45,6 +45,7 @@ _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 
 LABELS = ("upstream", "model")
 
+# Histograms observed per request or per chunk are the cheap kind (see fasthist.py).
 TTFT = FastHistogram(
     "tokenpipe_ttft_seconds",
     "Time from request arrival to the first content token sent to the client.",
@@ -52,7 +53,6 @@ TTFT = FastHistogram(
     buckets=_TTFT_BUCKETS,
     registry=REGISTRY,
 )
-# The histograms observed per request or per chunk are the cheap kind (see fasthist.py).
 ITL = FastHistogram(
     "tokenpipe_itl_seconds",
     "Gap between consecutive content chunks sent to the client (per chunk).",
