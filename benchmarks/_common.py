@@ -46,10 +46,12 @@ def fmt(v: float | None, width: int, digits: int = 2) -> str:
     return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"
 
 
-def gateway(sim_url: str, grpc_port: int = 0) -> Service:
-    """`tokenpipe serve` with its defaults in front of a sim (base URL without /v1)."""
+def gateway(sim_url: str, grpc_port: int = 0, config: Path | None = None) -> Service:
+    """`tokenpipe serve` in front of a sim (base URL without /v1), with its defaults or with
+    `config` (its upstreams replaced by the sim)."""
     return Service(
         "serve",
+        *(("--config", str(config)) if config else ()),
         "--port",
         "0",
         "--grpc-port",

@@ -4,6 +4,7 @@ answers, the request path subtracted), interleaved round by round, one sim for b
 
     python benchmarks/relay_cost.py                       # ~2 min; JSON in results/relay_cost.json
     python benchmarks/relay_cost.py --rounds 5 --concurrency 32
+    python benchmarks/relay_cost.py --features-off        # + tokenpipe with its layers off
 
 The overhead benchmark (`overhead.py`) shows latency and throughput under load; this one says
 where the gateway's CPU goes, which is what sets them once the machine is saturated.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 from typing import Any
 
@@ -39,13 +41,33 @@ async def _cpu_per(svc: Service, concurrency: int, requests: int, max_tokens: in
     return (cpu_seconds(svc.pid) - before) / requests
 
 
+#: `--features-off`: tokenpipe with every optional layer off, to tell the cost of the
+#: features from that of the request path itself.
+FEATURES_OFF = """\
+limits: {learn_from_headers: false, adaptive_concurrency: false}
+tail:
+  deadlines: false
+  hedging: {enabled: false}
+  retries: {enabled: false}
+  breaker: {enabled: false}
+  recovery: {enabled: false}
+context: {policy: "off"}
+"""
+
+
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    lean = ROOT / ".cache" / "relay-cost-features-off.yaml"
+    lean.parent.mkdir(exist_ok=True)
+    lean.write_text(FEATURES_OFF)
     with (
         Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", name="sim") as sim,
         gateway(sim.url) as gw,
         bare_relay(sim.url) as relay,
+        gateway(sim.url, config=lean) if args.features_off else contextlib.nullcontext() as off,
     ):
         targets = {"tokenpipe": gw, "bare-relay": relay}
+        if off is not None:
+            targets["tokenpipe-off"] = off
         for svc in targets.values():  # warm-up: connections, caches, estimators
             await _cpu_per(svc, args.concurrency, args.concurrency * 2, 4)
         per_request: dict[str, list[float]] = {name: [] for name in targets}
@@ -69,11 +91,11 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                     "rounds_us_per_token": per_token[name],
                 }
             )
-        base = rows[1]
-        print(f"\n{'target':<11} {'us/request':>11} {'x relay':>8} {'us/token':>9} {'x relay':>8}")
+        base = next(row for row in rows if row["target"] == "bare-relay")
+        print(f"\n{'target':<13} {'us/request':>11} {'x relay':>8} {'us/token':>9} {'x relay':>8}")
         for row in rows:
             print(
-                f"{row['target']:<11} {row['us_per_request']:11.0f} "
+                f"{row['target']:<13} {row['us_per_request']:11.0f} "
                 f"{row['us_per_request'] / base['us_per_request']:8.2f} "
                 f"{row['us_per_token']:9.1f} {row['us_per_token'] / base['us_per_token']:8.2f}"
             )
@@ -87,6 +109,9 @@ def main() -> None:
     p.add_argument("--short-requests", type=int, default=800, help="1-token requests per round")
     p.add_argument("--long-requests", type=int, default=64, help="long requests per round")
     p.add_argument("--tokens", type=int, default=400, help="tokens per long request")
+    p.add_argument(
+        "--features-off", action="store_true", help="add tokenpipe with every optional layer off"
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "relay_cost.json"))
     args = p.parse_args()
     install_uvloop()
