@@ -206,16 +206,8 @@ def grpc_gateway(paced) -> Iterator[str]:
     with socket.socket() as sock:  # a free port for gRPC (the gateway's 0 turns gRPC off)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with procs.Service(
-        "serve",
-        "--port",
-        "0",
-        "--grpc-port",
-        str(port),
-        "--upstream",
-        paced.url + "/v1",
-        name="gateway",
-    ) as gw:
+    # The later --grpc-port wins over procs.gateway's own "0" (off).
+    with procs.gateway("--grpc-port", str(port), "--upstream", paced.url + "/v1") as gw:
         deadline = time.monotonic() + 30
         while "gRPC listening" not in gw.output():
             assert time.monotonic() < deadline, gw.output()

@@ -25,20 +25,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _grpc_gateway(sim: procs.Service, *extra: str) -> tuple[procs.Service, str]:
+    """A gateway with a gRPC port in front of `sim`, and that port's target."""
+    port = _free_port()
+    # The later --grpc-port wins over procs.gateway's own "0" (off).
+    gateway = procs.gateway("--grpc-port", str(port), "--upstream", sim.url + "/v1", *extra)
+    return gateway, f"127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="module")
 def grpc_gateway(sim: procs.Service) -> Iterator[tuple[procs.Service, str]]:
-    port = _free_port()
-    with procs.Service(
-        "serve",
-        "--port",
-        "0",
-        "--grpc-port",
-        str(port),
-        "--upstream",
-        sim.url + "/v1",
-        name="gateway",
-    ) as g:
-        yield g, f"127.0.0.1:{port}"
+    gateway, target = _grpc_gateway(sim)
+    with gateway:
+        yield gateway, target
 
 
 def _request(rid: str, content: str, max_tokens: int = 10) -> pb.ClientMessage:
@@ -206,20 +205,9 @@ async def test_server_reflection_lists_the_chat_service(grpc_gateway: Any) -> No
 async def test_log_lines_of_a_grpc_request_carry_its_upstream_request_id(
     sim: procs.Service,
 ) -> None:
-    port = _free_port()
-    with procs.Service(
-        "serve",
-        "--port",
-        "0",
-        "--grpc-port",
-        str(port),
-        "--upstream",
-        sim.url + "/v1",
-        "--log-format",
-        "json",
-        name="gateway",
-    ) as g:
-        async with Stream(f"127.0.0.1:{port}") as s:
+    gateway, target = _grpc_gateway(sim, "--log-format", "json")
+    with gateway as g:
+        async with Stream(target) as s:
             # A 429 makes the limiter log that it pauses the upstream, inside the request.
             await s.outbox.put(_request("limited", "[[sim fault=status:429]]"))
             await s.wait(lambda: s.finished("limited"))
