@@ -14,6 +14,7 @@ from typing import Any
 
 import psutil
 
+from tokenpipe.bench import procs
 from tokenpipe.bench.procs import Service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,18 +50,15 @@ def fmt(v: float | None, width: int, digits: int = 2) -> str:
 def gateway(sim_url: str, grpc_port: int = 0, config: Path | None = None) -> Service:
     """`tokenpipe serve` in front of a sim (base URL without /v1), with its defaults or with
     `config` (its upstreams replaced by the sim)."""
-    return Service(
-        "serve",
+    # The later --grpc-port wins over procs.gateway's own "0" (off).
+    return procs.gateway(
         *(("--config", str(config)) if config else ()),
-        "--port",
-        "0",
         "--grpc-port",
         str(grpc_port),
         "--upstream",
         sim_url + "/v1",
         "--log-level",
         "warning",
-        name="gateway",
     )
 
 

@@ -175,16 +175,8 @@ def test_compare_sse_and_grpc_through_the_gateway_in_one_interleaved_run(tmp_pat
         grpc_port = sock.getsockname()[1]
     with (
         procs.sim("--ttft-ms", "20", "--itl-ms", "5") as upstream,
-        procs.Service(
-            "serve",
-            "--port",
-            "0",
-            "--grpc-port",
-            str(grpc_port),
-            "--upstream",
-            upstream.url + "/v1",
-            name="gateway",
-        ) as gw,
+        # The later --grpc-port wins over procs.gateway's own "0" (off).
+        procs.gateway("--grpc-port", str(grpc_port), "--upstream", upstream.url + "/v1") as gw,
     ):
         deadline = time.monotonic() + 30
         while "gRPC listening" not in gw.output():

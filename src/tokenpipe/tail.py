@@ -801,7 +801,7 @@ class StreamGuard:
         cap = self.upstream.settings.read_timeout_seconds
         end = since + (cap if self.stall is None else min(self.stall, cap))
         if self.end_at is not None:
-            end = self.end_at if end is None else min(end, self.end_at)
+            end = min(end, self.end_at)
         return end
 
     def gap(self, seconds: float) -> None:

@@ -460,7 +460,7 @@ class ContextBudget:
                 text = answer["choices"][0]["message"]["content"]
             except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
                 raise ValueError("summarizer answer is not a chat completion") from None
-            usage = answer.get("usage") if isinstance(answer, dict) else None
+            usage = answer.get("usage")  # a dict: indexing it by name worked
         finally:
             if ticket is not None:
                 ticket.finish(usage if isinstance(usage, dict) else None, status)
