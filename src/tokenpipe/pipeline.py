@@ -8,7 +8,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 
 from tokenpipe.context.budget import ContextBudget, ContextOutcome
@@ -20,6 +19,7 @@ from tokenpipe.relay import StreamTally
 from tokenpipe.router import Router
 from tokenpipe.settings import Settings
 from tokenpipe.tail import StreamGuard, TailControl
+from tokenpipe.upstream.h1 import UpstreamResponse
 from tokenpipe.upstream.http import HttpUpstream
 
 PATHS = {schema.ChatRequest: "/chat/completions", schema.CompletionRequest: "/completions"}
@@ -118,7 +118,7 @@ class Call:
     def __init__(
         self,
         upstream: HttpUpstream,
-        uresp: aiohttp.ClientResponse,
+        uresp: UpstreamResponse,
         tally: StreamTally,
         ticket: Ticket,
         ctx: ContextOutcome,

@@ -38,7 +38,7 @@ from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
-from tokenpipe.upstream import push
+from tokenpipe.upstream.h1 import UpstreamResponse
 
 if TYPE_CHECKING:
     from tokenpipe.tail import StreamGuard
@@ -633,7 +633,7 @@ metrics.STREAM_BUFFER_BYTES.set_function(lambda: Accumulator.total_bytes)
 
 
 async def read_upstream(
-    uresp: aiohttp.ClientResponse,
+    uresp: UpstreamResponse,
     parser: EventParser,
     acc: Accumulator,
     guard: StreamGuard | None = None,
@@ -665,11 +665,11 @@ async def read_upstream(
 
 
 async def _read_one(
-    uresp: aiohttp.ClientResponse,
+    uresp: UpstreamResponse,
     parser: EventParser,
     acc: Accumulator,
     guard: StreamGuard | None,
-) -> tuple[GatewayError | None, aiohttp.ClientResponse]:
+) -> tuple[GatewayError | None, UpstreamResponse]:
     """Reads one upstream response to its end; returns why it ended early, if it did, and
     the response it read last (a hedge or retry may have taken over before content)."""
     tally = parser.tally
@@ -778,13 +778,13 @@ PUSH_MAX_BYTES = 16 * 1024
 
 
 async def _read_guarded(
-    uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator, guard: StreamGuard
+    uresp: UpstreamResponse, parser: EventParser, acc: Accumulator, guard: StreamGuard
 ) -> None:
     """Reads with the stall deadline on each wait for the upstream. Time spent waiting for a
     slow client (backpressure) is not the upstream's gap and is not counted.
 
     While the client keeps up, the body is not read here at all: the HTTP parser pushes each
-    piece to `take` (upstream/push.py), which parses and writes it on the spot, and this task
+    piece to `take` (UpstreamResponse.take), which parses and writes it on the spot, and this task
     stays parked in `readany()`, woken only for what `take` declines."""
     content = uresp.content
     readany = content.readany
@@ -805,7 +805,7 @@ async def _read_guarded(
             content.set_exception(e)
         return True
 
-    pushed = push.attach(uresp, take)
+    uresp.take(take)
     try:
         while True:
             watch.start(now())
@@ -822,8 +822,7 @@ async def _read_guarded(
             raise TimeoutError from None
         raise
     finally:
-        if pushed:
-            push.detach(uresp)
+        uresp.take(None)
         watch.stop()
 
 
@@ -872,7 +871,7 @@ async def pump(
 
 
 async def relay_stream(
-    uresp: aiohttp.ClientResponse,
+    uresp: UpstreamResponse,
     parser: EventParser,
     emit: Emit,
     gate: FlowGate | None = None,

@@ -7,10 +7,9 @@ on this in the tail-latency layer).
 
 from __future__ import annotations
 
-import aiohttp
-
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.errors import GatewayError
+from tokenpipe.upstream.h1 import UpstreamResponse
 from tokenpipe.upstream.http import HttpUpstream
 
 
@@ -31,7 +30,7 @@ class Router:
 
     async def open(
         self, model: str, path: str, body: bytes, request_id: str, ticket: Ticket | None = None
-    ) -> tuple[HttpUpstream, aiohttp.ClientResponse]:
+    ) -> tuple[HttpUpstream, UpstreamResponse]:
         """`ticket`: the request's passage through the upstream limiters (waits for capacity
         before each send, learns from the response headers)."""
         last: GatewayError | None = None

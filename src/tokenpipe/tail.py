@@ -48,6 +48,7 @@ from tokenpipe.observe import metrics
 from tokenpipe.relay import Accumulator, EventParser, chunk_has_content
 from tokenpipe.router import Router
 from tokenpipe.settings import DeadlineSettings, TailSettings
+from tokenpipe.upstream.h1 import UpstreamResponse
 from tokenpipe.upstream.http import HttpUpstream
 
 log = logging.getLogger("tokenpipe.tail")
@@ -101,7 +102,7 @@ class Attempt:
         self.upstream = upstream
         self.ticket = ticket
         self.hedge = hedge
-        self.resp: aiohttp.ClientResponse | None = None
+        self.resp: UpstreamResponse | None = None
         self.prefix: list[bytes] = []  # bytes read while waiting for the first token
         self.sent_at: float | None = None
         self.first_at: float | None = None
@@ -314,7 +315,7 @@ class TailControl:
         self._healthy(a.upstream.name)
         return a
 
-    async def _first_token(self, a: Attempt, resp: aiohttp.ClientResponse) -> None:
+    async def _first_token(self, a: Attempt, resp: UpstreamResponse) -> None:
         """Reads until a content token, an error, a finish or [DONE]; what was read is kept in
         `a.prefix` for the relay (at most PREFIX_LIMIT bytes plus one read)."""
         decoder = sse.SSEDecoder()
@@ -351,7 +352,7 @@ class TailControl:
         *,
         stream: bool,
         headers: Mapping[str, str] | None = None,
-    ) -> tuple[HttpUpstream, aiohttp.ClientResponse, float, float | None]:
+    ) -> tuple[HttpUpstream, UpstreamResponse, float, float | None]:
         """Sends the request, retrying and falling back on connect errors, 5xx and 429; returns
         (upstream, response with its headers, when it was sent, end of the whole-request
         deadline or None; both on this clock). The response is any status a retry would not
@@ -536,7 +537,7 @@ class StreamGuard:
         self.raced = False  # first_content ran (the relay's reader sets it)
         # Hedge, retry and continuation responses and their tickets, closed with the request
         # (bounded: one hedge, retries.max_attempts, recovery.max_continuations).
-        self.responses: list[aiohttp.ClientResponse] = []
+        self.responses: list[UpstreamResponse] = []
         self._side: list[Ticket] = []
         # Content deltas are recorded only when a cut stream could continue somewhere.
         self.recorded = (
@@ -548,8 +549,8 @@ class StreamGuard:
     # -- before the first token --------------------------------------------------------------
 
     async def first_content(
-        self, uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator
-    ) -> aiohttp.ClientResponse:
+        self, uresp: UpstreamResponse, parser: EventParser, acc: Accumulator
+    ) -> UpstreamResponse:
         """Returns the response to read on, whose events up to its first content are in the
         accumulator already. Raises GatewayError when no stream produced content in time and
         no retry is left."""
@@ -662,8 +663,8 @@ class StreamGuard:
                     await _cancel(t)
 
     def _primary_won(
-        self, uresp: aiohttp.ClientResponse, hedge: asyncio.Task[Attempt] | None
-    ) -> aiohttp.ClientResponse:
+        self, uresp: UpstreamResponse, hedge: asyncio.Task[Attempt] | None
+    ) -> UpstreamResponse:
         """The first response produced content (or ended) first: it is read on."""
         tail = self._tail
         tail.ttft_estimate(self.upstream.name, self.model, self.cls).add(
@@ -675,8 +676,8 @@ class StreamGuard:
         return uresp
 
     async def _primary_broke(
-        self, uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator
-    ) -> aiohttp.ClientResponse:
+        self, uresp: UpstreamResponse, parser: EventParser, acc: Accumulator
+    ) -> UpstreamResponse:
         """The first response broke before any content and no hedge is out: retry."""
         self._tail._unhealthy(self.upstream.name)
         self.ticket.failed(502)
@@ -707,12 +708,12 @@ class StreamGuard:
 
     async def _retry(
         self,
-        old: aiohttp.ClientResponse,
+        old: UpstreamResponse,
         parser: EventParser,
         acc: Accumulator,
         reason: str,
         error: GatewayError,
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         """Sends again (next upstream first) until a stream produces content, within the
         attempts and the retry budget; raises the last error when none is left."""
         tail = self._tail
@@ -760,10 +761,10 @@ class StreamGuard:
     def _switch(
         self,
         a: Attempt,
-        old: aiohttp.ClientResponse,
+        old: UpstreamResponse,
         parser: EventParser,
         acc: Accumulator,
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         """Reads on from attempt `a`: its events up to its first content were read into
         `a.prefix`; those before the content are dropped (the client has its role chunk)."""
         assert a.resp is not None
@@ -812,8 +813,8 @@ class StreamGuard:
         error: GatewayError,
         parser: EventParser,
         acc: Accumulator,
-        old: aiohttp.ClientResponse,
-    ) -> aiohttp.ClientResponse | None:
+        old: UpstreamResponse,
+    ) -> UpstreamResponse | None:
         """Continues a cut text completion on a healthy upstream; None when it cannot (the
         relay then ends the stream with an error event that counts what was delivered)."""
         tail = self._tail
@@ -882,9 +883,7 @@ class StreamGuard:
             t.finish()
 
 
-async def _until_content(
-    uresp: aiohttp.ClientResponse, parser: EventParser, acc: Accumulator
-) -> None:
+async def _until_content(uresp: UpstreamResponse, parser: EventParser, acc: Accumulator) -> None:
     """Reads the first response into the accumulator until content, an error, a finish or
     the end (the relay's normal reading takes over from there)."""
     async for chunk in uresp.content.iter_any():

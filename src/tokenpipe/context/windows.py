@@ -18,9 +18,6 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-import aiohttp
-import orjson
-
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.upstream.http import HttpUpstream
 
@@ -91,32 +88,12 @@ class WindowDiscovery:
         return hit[1].get(model)
 
     async def _fetch(self, upstream: HttpUpstream) -> dict[str, int]:
-        headers = {}
-        key = upstream.settings.api_key()
-        if key:
-            headers["authorization"] = f"Bearer {key}"
-        try:
-            async with upstream.session.get(
-                upstream.base_url + "/models",
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=5),
-            ) as resp:
-                if resp.status != 200:
-                    return {}
-                data = orjson.loads(await resp.read())
-            found: dict[str, int] = {}
-            for entry in data.get("data") or ():
-                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
-                    w = window_from_entry(entry)
-                    if w:
-                        found[entry["id"]] = w
-            return found
-        except (
-            TimeoutError,
-            aiohttp.ClientError,
-            orjson.JSONDecodeError,
-            AttributeError,
-            TypeError,
-        ):
-            log.warning("upstream %s: could not read context windows from /models", upstream.name)
-            return {}
+        data = await upstream.models_json()
+        found: dict[str, int] = {}
+        entries = data.get("data") if isinstance(data, dict) else None
+        for entry in entries if isinstance(entries, list) else ():
+            if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                w = window_from_entry(entry)
+                if w:
+                    found[entry["id"]] = w
+        return found

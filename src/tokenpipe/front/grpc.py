@@ -31,6 +31,7 @@ from tokenpipe.observe import logs
 from tokenpipe.pipeline import Gateway
 from tokenpipe.relay import EventParser, Piece, relay_stream
 from tokenpipe.upstream import http as upstream_http
+from tokenpipe.upstream.h1 import UpstreamResponse
 from tokenpipe.upstream.http import read_bounded
 
 log = logging.getLogger("tokenpipe.grpc")
@@ -286,7 +287,7 @@ def _too_many() -> GatewayError:
     )
 
 
-async def _upstream_error(uresp: aiohttp.ClientResponse) -> GatewayError:
+async def _upstream_error(uresp: UpstreamResponse) -> GatewayError:
     try:
         body = orjson.loads(await read_bounded(uresp, 1024 * 1024))
         err = body["error"]

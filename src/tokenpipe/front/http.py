@@ -28,6 +28,7 @@ from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Call, Gateway
 from tokenpipe.relay import EventParser, StreamTally, emit_sse, relay_stream
 from tokenpipe.upstream import http as upstream_http
+from tokenpipe.upstream.h1 import UpstreamResponse
 from tokenpipe.upstream.http import read_bounded
 
 log = logging.getLogger("tokenpipe.front")
@@ -192,9 +193,7 @@ def _bound_client_buffers(request: web.Request, sndbuf: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
 
 
-async def _unary(
-    uresp: aiohttp.ClientResponse, tally: StreamTally, rid: str
-) -> tuple[int, web.Response]:
+async def _unary(uresp: UpstreamResponse, tally: StreamTally, rid: str) -> tuple[int, web.Response]:
     """A non-streamed answer, or an upstream error before streaming: passed through as sent."""
     try:
         body = await read_bounded(uresp)

@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP upstream: one pooled aiohttp session per upstream.
+"""An OpenAI-compatible HTTP upstream: one pool of keep-alive connections per upstream
+(upstream/h1.py).
 
 Only the configuration chooses where a request goes and which headers it carries: no client
 header, URL or key is forwarded (except the request id, which the gateway itself vetted).
@@ -8,18 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from contextvars import ContextVar
+from typing import Any
 
 import aiohttp
 import orjson
-from aiohappyeyeballs import AddrInfoType
 from yarl import URL
 
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.pacing import PACE_HEADER
 from tokenpipe.settings import UpstreamSettings
+from tokenpipe.upstream import h1
 
 log = logging.getLogger("tokenpipe.upstream")
 
@@ -35,6 +36,12 @@ MODELS_TTL = 60.0
 #: How long after a failed /models the upstream is not asked again (seconds): one that has no
 #: such route must not get an extra request in front of every completion.
 MODELS_RETRY = 10.0
+#: Largest /models answer read (bytes); a larger one counts as no answer.
+MAX_MODELS_BYTES = 4 * 1024 * 1024
+#: How long an idle upstream connection is kept for the next request (seconds).
+KEEPALIVE_SECONDS = 30.0
+#: The fixed headers of a completion request (the body is always JSON, possibly a stream).
+_ACCEPT_POST = "content-type: application/json\r\naccept: text/event-stream\r\n"
 
 
 class HttpUpstream:
@@ -42,60 +49,53 @@ class HttpUpstream:
         self.settings = settings
         self.name = settings.name
         self.base_url = settings.url.rstrip("/")
-        self._session: aiohttp.ClientSession | None = None
-        self._stream_timeout = aiohttp.ClientTimeout(
-            total=None, connect=settings.connect_timeout_seconds, sock_read=None
-        )
-        self._headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        self._pool: h1.Pool | None = None
+        base = URL(self.base_url)
+        self._base_path = base.raw_path.rstrip("/")
+        # The request head but its per-request lines, built once (a header value from the
+        # config with a line break would forge headers: refused here).
         key = settings.api_key()
-        if key:
-            self._headers["authorization"] = f"Bearer {key}"
+        if key and ("\r" in key or "\n" in key):
+            raise ValueError(f"upstream '{self.name}': its API key contains a line break")
+        self._auth = f"authorization: Bearer {key}\r\n" if key else ""
+        self._heads: dict[str, bytes] = {}
         self._models: list[str] | None = None
         self._models_at = 0.0
         self._models_failed_at = -MODELS_RETRY
         self._models_lock = asyncio.Lock()  # one /models request at a time (a cold burst)
-        # Parsed once per path: aiohttp parses a str URL on every request.
-        self._urls: dict[str, URL] = {}
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(
+    def pool(self) -> h1.Pool:
+        if self._pool is None:
+            self._pool = h1.Pool(
+                URL(self.base_url),
                 limit=self.settings.max_connections,
-                ttl_dns_cache=300,
-                keepalive_timeout=30,
-                socket_factory=self._socket if self.settings.receive_buffer_bytes else None,
+                connect_timeout=self.settings.connect_timeout_seconds,
+                receive_buffer_bytes=self.settings.receive_buffer_bytes,
+                keepalive_s=KEEPALIVE_SECONDS,
             )
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(
-                    total=None,
-                    connect=self.settings.connect_timeout_seconds,
-                    sock_read=self.settings.read_timeout_seconds,
-                ),
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent",),
-                # No cookies: one upstream session serves every client, so a cookie an
-                # upstream sets (e.g. a CDN's) must not travel with other clients' requests.
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        return self._session
+        return self._pool
 
-    def _socket(self, addr_info: AddrInfoType) -> socket.socket:
-        # Set before connect: the TCP window scale is fixed by the handshake.
-        family, type_, proto, _, _ = addr_info
-        sock = socket.socket(family=family, type=type_, proto=proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.settings.receive_buffer_bytes)
-        return sock
+    def _head(self, method: str, path: str, accept: str) -> bytes:
+        """The request line and the config's headers for `path` (cached per path)."""
+        key = f"{method} {path}"
+        head = self._heads.get(key)
+        if head is None:
+            head = self._heads[key] = (
+                f"{method} {self._base_path}{path} HTTP/1.1\r\n"
+                f"host: {self.pool.host_header}\r\n"
+                f"{accept}{self._auth}"
+            ).encode("latin-1")
+        return head
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     async def post(
         self, path: str, body: bytes, request_id: str, stream: bool = False
-    ) -> aiohttp.ClientResponse:
+    ) -> h1.UpstreamResponse:
         """Sends a request and returns once the response headers arrived.
 
         Raises GatewayError 502 when the upstream cannot be reached, 504 when it does not answer
@@ -103,29 +103,19 @@ class HttpUpstream:
 
         `stream`: the caller bounds the waits itself, for the headers and the first token
         (tail.TailControl._attempt) and for each read of the body (tail.StreamGuard: the
-        stall deadline, capped by `read_timeout_seconds`, with one timer per stream);
-        aiohttp's own read timeout would re-arm a timer on every chunk, i.e. every token.
+        stall deadline, capped by `read_timeout_seconds`, with one timer per stream); a read
+        timeout of the client's own would re-arm a timer on every chunk, i.e. every token.
         """
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = URL(self.base_url + path)
-        headers = dict(self._headers)
-        headers["x-request-id"] = request_id
         pace = PACE.get()
-        if pace:
-            headers[PACE_HEADER] = f"{pace:g}"
+        head = b"%sx-request-id: %s\r\n%scontent-length: %d\r\n\r\n" % (
+            self._head("POST", path, _ACCEPT_POST),
+            request_id.encode("latin-1"),
+            f"{PACE_HEADER}: {pace:g}\r\n".encode() if pace else b"",
+            len(body),
+        )
+        timeout = None if stream else self.settings.read_timeout_seconds
         try:
-            if not stream:
-                return await self.session.post(
-                    url, data=body, headers=headers, allow_redirects=False
-                )
-            return await self.session.post(
-                url,
-                data=body,
-                headers=headers,
-                allow_redirects=False,
-                timeout=self._stream_timeout,
-            )
+            return await self.pool.request(head, body, timeout)
         except TimeoutError:
             raise GatewayError(
                 504, f"Upstream '{self.name}' did not answer in time.", code="upstream_timeout"
@@ -136,6 +126,22 @@ class HttpUpstream:
                 f"Upstream '{self.name}' is unreachable ({type(e).__name__}).",
                 code="upstream_unavailable",
             ) from None
+
+    async def models_json(self, timeout: float = 5.0) -> Any:
+        """The upstream's own /models answer, parsed; None when it cannot say (logged)."""
+        head = self._head("GET", "/models", "") + b"\r\n"
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self.pool.request(head, b"", timeout)
+                try:
+                    if resp.status != 200:
+                        return None
+                    return orjson.loads(await read_bounded(resp, MAX_MODELS_BYTES))
+                finally:
+                    resp.release()
+        except (TimeoutError, aiohttp.ClientError, GatewayError, orjson.JSONDecodeError):
+            log.warning("upstream %s: could not list its models", self.name)
+            return None
 
     async def serves(self, model: str) -> bool:
         models = self.settings.models
@@ -172,26 +178,19 @@ class HttpUpstream:
         return now - self._models_failed_at < MODELS_RETRY, None
 
     async def _fetch_models(self, now: float) -> list[str] | None:
+        data = await self.models_json()
         try:
-            async with self.session.get(
-                self.base_url + "/models",
-                headers={k: v for k, v in self._headers.items() if k != "accept"},
-                timeout=aiohttp.ClientTimeout(total=5),
-            ) as resp:
-                if resp.status != 200:
-                    self._models_failed_at = now
-                    return None
-                data = orjson.loads(await resp.read())
             self._models = [m["id"] for m in data["data"]]
-            self._models_at = now
-        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, KeyError, TypeError):
-            log.warning("upstream %s: could not list its models", self.name)
+        except (KeyError, TypeError):
+            if data is not None:
+                log.warning("upstream %s: its /models answer has no model list", self.name)
             self._models_failed_at = now
             return None
+        self._models_at = now
         return self._models
 
 
-async def read_bounded(resp: aiohttp.ClientResponse, limit: int = MAX_RESPONSE_BYTES) -> bytes:
+async def read_bounded(resp: h1.UpstreamResponse, limit: int = MAX_RESPONSE_BYTES) -> bytes:
     if resp.content_length is not None and resp.content_length > limit:
         raise GatewayError(502, "Upstream response too large.", code="upstream_response_too_large")
     parts: list[bytes] = []
