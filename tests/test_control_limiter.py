@@ -153,3 +153,27 @@ async def test_token_reservations_are_corrected_by_what_the_upstream_charged() -
     lim.release(permit, 200, charged_tokens=150)
     d = await store.reserve(lim.scope, lim.limits, 0)
     assert d.remaining_tokens is not None and math.isclose(d.remaining_tokens, 850)
+
+
+async def test_a_200_answer_grows_the_limit_before_the_stream_ends() -> None:
+    """A burst above the limit is let through as the upstream accepts its first requests,
+    not held until their streams end; the end of the stream does not count a second time."""
+    clock = ManualClock()
+    aimd = AIMDLimit(2, clock=clock)
+    lim = Limiter("u", MemoryStore(clock), concurrency=aimd, clock=clock, wall=lambda: 0.0)
+    first = [await lim.acquire("k", 1, deadline=1) for _ in range(2)]
+    waiting = [asyncio.create_task(lim.acquire("k", 1, deadline=30)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert not any(t.done() for t in waiting)
+    for permit in first:
+        await lim.observe(permit, 200, {})
+    assert aimd.limit == 4
+    later = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+    assert lim.inflight == 4
+    for permit in first:
+        lim.release(permit, 200)
+    assert aimd.limit == 4  # observed already: their end does not count again
+    for permit in later:
+        lim.release(permit, 200)
+    assert aimd.limit == 6  # never observed (e.g. no headers came): counted at their end
+    await lim.close()

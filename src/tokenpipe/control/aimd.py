@@ -6,10 +6,12 @@ requests, and a provider queues out of sight, so a TTFT gradient mistakes long p
 overload. The signals that do mean "too much" are explicit: 429, 503 and timeouts. AIMD
 reacts to exactly those and is stable with many independent clients (TCP's argument).
 
-Rule, per finished request: a drop (429/503/timeout) multiplies the limit by `backoff`, at
-most once per `cooldown` seconds so one burst of 429s from requests sent together counts
-as one signal; a success while at least half the limit was in use adds 1 (as in Netflix's
-AIMD), so the limit follows demand up within about one round of requests.
+Rule, per request: a drop (429/503/timeout) multiplies the limit by `backoff`, at most once
+per `cooldown` seconds so one burst of 429s from requests sent together counts as one
+signal; a success while at least half the limit was in use adds 1 (as in Netflix's AIMD), so
+the limit follows demand up within about one round of requests. The limiter counts a success
+when the upstream answers 200 (its headers), not when the stream ends: a cold burst above
+the limit waits for the first answers (milliseconds), not for whole streams (seconds).
 """
 
 from __future__ import annotations

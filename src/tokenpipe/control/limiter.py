@@ -54,6 +54,8 @@ class Permit:
     inflight_at_start: int
     granted_at: float  # clock seconds
     released: bool = False
+    #: The upstream's 200 already counted as a success for the concurrency limit.
+    grew: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -236,6 +238,12 @@ class Limiter:
                 if rem_t is not None and self.limits.tokens is not None:
                     rem_t -= TOKEN_MARGIN * self.limits.tokens.capacity
                 await self.store.learn(self.scope, self.limits, rem_r, rem_t, permit.decision)
+        if status == 200 and self.concurrency is not None and not permit.grew:
+            # A success as soon as the upstream accepts (headers), not when the stream ends:
+            # a burst above the limit then waits for the first answers, not for whole streams.
+            permit.grew = True
+            self.concurrency.sample(permit.inflight_at_start, False)
+            self._m_conc.set(self.concurrency.limit)
         if status == 429:
             self._m_429.inc()
             retry = info.retry_after if info and info.retry_after is not None else DEFAULT_RETRY
@@ -261,8 +269,10 @@ class Limiter:
         elif charged_tokens is not None and charged_tokens != permit.tokens:
             self.store.give(self.scope, self.limits, 0.0, permit.tokens - charged_tokens)
         if self.concurrency is not None and status is not None:
-            self.concurrency.sample(permit.inflight_at_start, status in DROP_STATUSES)
-            self._m_conc.set(self.concurrency.limit)
+            dropped = status in DROP_STATUSES
+            if dropped or not permit.grew:
+                self.concurrency.sample(permit.inflight_at_start, dropped)
+                self._m_conc.set(self.concurrency.limit)
         self._wake.set()
 
     # -- the 429 we send when waiting would take too long ----------------------------------
