@@ -62,6 +62,28 @@ def gateway(sim_url: str, grpc_port: int = 0, config: Path | None = None) -> Ser
     )
 
 
+#: tokenpipe with every optional layer off (`--features-off` of relay_cost.py and overhead.py),
+#: to tell the cost of the features from that of the request path itself.
+FEATURES_OFF = """\
+limits: {learn_from_headers: false, adaptive_concurrency: false}
+tail:
+  deadlines: false
+  hedging: {enabled: false}
+  retries: {enabled: false}
+  breaker: {enabled: false}
+  recovery: {enabled: false}
+context: {policy: "off"}
+"""
+
+
+def features_off_config() -> Path:
+    """FEATURES_OFF written to a file for `gateway(config=...)`."""
+    path = ROOT / ".cache" / "features-off.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(FEATURES_OFF)
+    return path
+
+
 def bare_relay(sim_url: str, cpu_us: float = 0.0) -> Service:
     """The byte-forwarding floor (benchmarks/bare_relay.py) in front of a sim; `cpu_us`:
     CPU it spins per request (a diagnostic)."""

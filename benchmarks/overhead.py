@@ -7,7 +7,10 @@ machine noise lands on every target alike. Prints a table and writes JSON.
     python benchmarks/overhead.py                      # paced (200 tokens/s/stream) and unpaced
     python benchmarks/overhead.py --litellm off --concurrency 64 --rounds 5
     python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --burn-us 700
+    python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --features-off
 
+`--features-off` adds tokenpipe with every optional layer off (limiter learning, adaptive
+concurrency, deadlines, hedging, retries, breaker, recovery, context budgeting).
 `--burn-us N` adds a target: the bare relay spinning N us of CPU per request. Where all 64
 streams start together, each request's CPU delays the ones behind it, so this shows what a
 gateway's per-request cost alone does to TTFT and throughput.
@@ -26,7 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import bare_relay, cpu_seconds, fmt, free_port, gateway, litellm, write_json
+from _common import (
+    bare_relay,
+    cpu_seconds,
+    features_off_config,
+    fmt,
+    free_port,
+    gateway,
+    litellm,
+    write_json,
+)
 
 from tokenpipe.bench import Summary, run_load
 from tokenpipe.bench.procs import Service
@@ -137,6 +149,9 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
         bare_relay(sim.url) as relay,
         gateway(sim.url) as gw,
         bare_relay(sim.url, args.burn_us) if args.burn_us else contextlib.nullcontext() as burn,
+        gateway(sim.url, config=features_off_config())
+        if args.features_off
+        else contextlib.nullcontext() as off,
     ):
         litellm = None
         if args.litellm != "off":
@@ -149,6 +164,8 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
                     Target("bare-relay", relay.url + "/v1", relay.pid),
                     Target("tokenpipe", gw.url + "/v1", gw.pid),
                 ]
+                if off is not None:
+                    targets.append(Target("tokenpipe-off", off.url + "/v1", off.pid))
                 if burn is not None:
                     targets.append(Target(f"relay+{args.burn_us:g}us", burn.url + "/v1", burn.pid))
                 if litellm is not None:
@@ -195,6 +212,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--litellm", choices=["auto", "off"], default="auto")
+    p.add_argument(
+        "--features-off", action="store_true", help="add tokenpipe with every optional layer off"
+    )
     p.add_argument(
         "--burn-us", type=float, default=0.0, help="add a relay spinning this CPU per request"
     )

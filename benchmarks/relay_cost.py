@@ -18,7 +18,7 @@ import contextlib
 import statistics
 from typing import Any
 
-from _common import ROOT, bare_relay, cpu_seconds, gateway, write_json
+from _common import ROOT, bare_relay, cpu_seconds, features_off_config, gateway, write_json
 
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
@@ -41,24 +41,8 @@ async def _cpu_per(svc: Service, concurrency: int, requests: int, max_tokens: in
     return (cpu_seconds(svc.pid) - before) / requests
 
 
-#: `--features-off`: tokenpipe with every optional layer off, to tell the cost of the
-#: features from that of the request path itself.
-FEATURES_OFF = """\
-limits: {learn_from_headers: false, adaptive_concurrency: false}
-tail:
-  deadlines: false
-  hedging: {enabled: false}
-  retries: {enabled: false}
-  breaker: {enabled: false}
-  recovery: {enabled: false}
-context: {policy: "off"}
-"""
-
-
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    lean = ROOT / ".cache" / "relay-cost-features-off.yaml"
-    lean.parent.mkdir(exist_ok=True)
-    lean.write_text(FEATURES_OFF)
+    lean = features_off_config()
     with (
         Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", name="sim") as sim,
         gateway(sim.url) as gw,
