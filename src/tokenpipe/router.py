@@ -18,7 +18,14 @@ class Router:
         self.upstreams = upstreams
 
     async def candidates(self, model: str) -> list[HttpUpstream]:
-        found = [u for u in self.upstreams if await u.serves(model)]
+        found = []
+        for u in self.upstreams:
+            # Known without a wait almost always (config or cached list): no coroutine then.
+            serves = u.serves_now(model)
+            if serves is None:
+                serves = await u.serves(model)
+            if serves:
+                found.append(u)
         if not found:
             raise GatewayError(
                 404,

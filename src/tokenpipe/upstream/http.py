@@ -144,13 +144,23 @@ class HttpUpstream:
             return None
 
     async def serves(self, model: str) -> bool:
+        known = self.serves_now(model)
+        if known is not None:
+            return known
+        listed = await self.listed_models()
+        return listed is None or model in listed
+
+    def serves_now(self, model: str) -> bool | None:
+        """`serves(model)` when it is known without asking the upstream, else None."""
         models = self.settings.models
         if model in models:
             return True
         if "*" not in models:
             return False
-        known = await self.listed_models()
-        return known is None or model in known
+        hit, listed = self._cached_models(time.monotonic())
+        if not hit:
+            return None
+        return listed is None or model in listed
 
     async def models(self) -> list[str]:
         """The models this upstream serves: configured names and its own /v1/models list."""
