@@ -189,6 +189,28 @@ async def test_body_without_length_ends_with_the_connection() -> None:
             pool.close()
 
 
+async def test_informational_answers_are_skipped() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_head(reader)
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-final: 1\r\n\r\nok")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(handle) as url:
+        pool = _pool(url)
+        try:
+            resp = await pool.request(_get_head(), b"", 5.0)
+            assert (resp.status, resp.headers.get("link"), resp.headers.get("x-final")) == (
+                200,
+                None,
+                "1",
+            )
+            assert await resp.read() == b"ok"
+        finally:
+            pool.close()
+
+
 @pytest.mark.parametrize(
     "answer",
     [

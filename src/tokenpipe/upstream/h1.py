@@ -193,6 +193,7 @@ class Connection(asyncio.Protocol):
         self._headers: CIMultiDict[str] = CIMultiDict()
         self._resp: UpstreamResponse | None = None
         self._timeout: float | None = None
+        self._informational = False
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -230,6 +231,10 @@ class Connection(asyncio.Protocol):
         self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
+        if 100 <= self.parser.get_status_code() < 200:  # 1xx (e.g. 103 Early Hints): skipped
+            self._informational = True
+            self._headers = CIMultiDict()
+            return
         head = self._head
         resp = UpstreamResponse(self, self.parser.get_status_code(), self._headers, self._timeout)
         self._resp = resp
@@ -241,6 +246,9 @@ class Connection(asyncio.Protocol):
             self._resp._feed(body)
 
     def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
         resp, self._resp = self._resp, None
         reuse = self.parser.should_keep_alive() and not self.lost
         if resp is not None:
@@ -360,9 +368,12 @@ class Pool:
             self._waiters.append(waiter)
             try:
                 await waiter
-            finally:
+            except BaseException:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
+                elif waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken, then cancelled: the turn passes on
+                raise
         self._open += 1
         try:
             return await self._connect()
