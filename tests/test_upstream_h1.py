@@ -65,6 +65,33 @@ def _pool(url: URL, limit: int = 8) -> h1.Pool:
     return h1.Pool(url, limit=limit, connect_timeout=5.0)
 
 
+@contextlib.asynccontextmanager
+async def pool_for(handle: Handler) -> AsyncIterator[h1.Pool]:
+    """A pool to a raw server running `handle`, closed when the block ends."""
+    async with raw_server(handle) as url:
+        pool = _pool(url)
+        try:
+            yield pool
+        finally:
+            pool.close()
+
+
+def answering(data: bytes, close: bool = True) -> Handler:
+    """A handler that reads one request, writes `data`, then closes (or waits for the client
+    to close, `close=False`)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_head(reader)
+        writer.write(data)
+        await writer.drain()
+        if close:
+            writer.close()
+        else:
+            await reader.read()
+
+    return handle
+
+
 async def test_taken_and_declined_pieces_add_up_to_the_body_in_order(sim: procs.Service) -> None:
     url = URL(sim.url + "/v1")
     body = orjson.dumps(STREAM_BODY)
@@ -141,34 +168,21 @@ async def test_connection_close_answer_is_not_reused() -> None:
         await writer.drain()
         writer.close()
 
-    async with raw_server(handle) as url:
-        pool = _pool(url)
-        try:
-            for _ in range(2):
-                resp = await pool.request(_get_head(), b"", 5.0)
-                assert await resp.read() == b"ok"
-        finally:
-            pool.close()
+    async with pool_for(handle) as pool:
+        for _ in range(2):
+            resp = await pool.request(_get_head(), b"", 5.0)
+            assert await resp.read() == b"ok"
     assert accepted == 2
 
 
 async def test_cut_body_delivers_what_came_then_raises() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_head(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
-        await writer.drain()
-        writer.close()
-
-    async with raw_server(handle) as url:
-        pool = _pool(url)
-        try:
-            resp = await pool.request(_get_head(), b"", 5.0)
-            received = b""
-            with pytest.raises(aiohttp.ClientPayloadError):
-                while chunk := await resp.readany():
-                    received += chunk
-        finally:
-            pool.close()
+    cut = answering(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+    async with pool_for(cut) as pool:
+        resp = await pool.request(_get_head(), b"", 5.0)
+        received = b""
+        with pytest.raises(aiohttp.ClientPayloadError):
+            while chunk := await resp.readany():
+                received += chunk
     assert received == b"0123456789"
 
 
@@ -180,35 +194,22 @@ async def test_body_without_length_ends_with_the_connection() -> None:
         writer.write(b"world")
         writer.close()
 
-    async with raw_server(handle) as url:
-        pool = _pool(url)
-        try:
-            resp = await pool.request(_get_head(), b"", 5.0)
-            assert await resp.read() == b"hello world"
-        finally:
-            pool.close()
+    async with pool_for(handle) as pool:
+        resp = await pool.request(_get_head(), b"", 5.0)
+        assert await resp.read() == b"hello world"
 
 
 async def test_informational_answers_are_skipped() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_head(reader)
-        writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-final: 1\r\n\r\nok")
-        await writer.drain()
-        await reader.read()
-
-    async with raw_server(handle) as url:
-        pool = _pool(url)
-        try:
-            resp = await pool.request(_get_head(), b"", 5.0)
-            assert (resp.status, resp.headers.get("link"), resp.headers.get("x-final")) == (
-                200,
-                None,
-                "1",
-            )
-            assert await resp.read() == b"ok"
-        finally:
-            pool.close()
+    hints = answering(
+        b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-final: 1\r\n\r\nok",
+        close=False,
+    )
+    async with pool_for(hints) as pool:
+        resp = await pool.request(_get_head(), b"", 5.0)
+        headers = resp.headers
+        assert (resp.status, headers.get("link"), headers.get("x-final")) == (200, None, "1")
+        assert await resp.read() == b"ok"
 
 
 @pytest.mark.parametrize(
@@ -220,19 +221,9 @@ async def test_informational_answers_are_skipped() -> None:
     ids=["not-http", "head-too-large"],
 )
 async def test_bad_answer_is_a_client_error(answer: bytes) -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_head(reader)
-        writer.write(answer)
-        await writer.drain()
-        await reader.read()  # until the client closes
-
-    async with raw_server(handle) as url:
-        pool = _pool(url)
-        try:
-            with pytest.raises(aiohttp.ClientResponseError):
-                await pool.request(_get_head(), b"", 5.0)
-        finally:
-            pool.close()
+    async with pool_for(answering(answer, close=False)) as pool:
+        with pytest.raises(aiohttp.ClientResponseError):
+            await pool.request(_get_head(), b"", 5.0)
 
 
 async def test_no_answer_times_out_and_the_upstream_sees_the_close() -> None:
@@ -243,14 +234,10 @@ async def test_no_answer_times_out_and_the_upstream_sees_the_close() -> None:
         await reader.read()  # returns when the client closes its end
         closed.set()
 
-    async with raw_server(handle) as url:
-        pool = _pool(url)
-        try:
-            with pytest.raises(TimeoutError):
-                await pool.request(_get_head(), b"", 0.2)
-            await asyncio.wait_for(closed.wait(), 5.0)
-        finally:
-            pool.close()
+    async with pool_for(handle) as pool:
+        with pytest.raises(TimeoutError):
+            await pool.request(_get_head(), b"", 0.2)
+        await asyncio.wait_for(closed.wait(), 5.0)
 
 
 async def test_closing_an_unfinished_response_closes_its_connection(sim: procs.Service) -> None:
