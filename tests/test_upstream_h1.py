@@ -272,3 +272,15 @@ def test_an_api_key_with_a_line_break_is_refused(monkeypatch: pytest.MonkeyPatch
     settings = UpstreamSettings(name="u", url="http://127.0.0.1:9/v1", api_key_env="TP_TEST_KEY")
     with pytest.raises(ValueError, match="line break"):
         HttpUpstream(settings)
+
+
+async def test_closing_the_pool_ends_a_response_being_read(sim: procs.Service) -> None:
+    url = URL(sim.url + "/v1")
+    body = orjson.dumps(STREAM_BODY)
+    pool = _pool(url)
+    resp = await pool.request(_post_head(url, "/chat/completions", body), body, None)
+    assert await resp.readany()
+    reading = asyncio.create_task(resp.read())
+    pool.close()  # e.g. the gateway shutting down past its drain deadline
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await asyncio.wait_for(reading, 5.0)

@@ -170,12 +170,12 @@ class UpstreamResponse:
         self.close()
 
     def close(self) -> None:
+        self._eof = True  # first: the abort below must not record an error for this reader
+        self._buffer.clear()
+        self._size = 0
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.abort()
-        self._eof = True
-        self._buffer.clear()
-        self._size = 0
 
 
 class Connection(asyncio.Protocol):
@@ -282,8 +282,11 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def abort(self) -> None:
-        """Closes at once (a request abandoned mid-way: the upstream sees the close)."""
-        self._resp = None
+        """Closes at once (a request abandoned mid-way: the upstream sees the close). A
+        response still being read (the pool closed under it) ends with an error."""
+        resp, self._resp = self._resp, None
+        if resp is not None:
+            resp._end(aiohttp.ClientPayloadError("the upstream connection was closed"))
         if self.transport is not None and not self.lost:
             self.transport.abort()
         self.lost = True
