@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from tokenpipe.bench import run_load_processes
 from tokenpipe.bench.selftest import own_cpu_s, process_cpu_s, unpaced_sim
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="results/bench_client_ceiling.json")
     args = ap.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     with unpaced_sim(256) as (url, sim_pid):
         for load, tokens, conc in LOADS:
             samples: dict[str, list[tuple[float, float, float, float]]] = {}
@@ -87,12 +88,12 @@ def main() -> None:
         f"{'load':<20} {'config':<24} {'tokens/s':>10} {'req/s':>8} {'ratio':>6} "
         f"{'client CPU':>10} {'sim CPU':>8}"
     )
-    for r in rows:
-        ratio = r["ratio_tokens"] if r["load"].startswith("256") else r["ratio_requests"]
+    for row in rows:
+        ratio = row["ratio_tokens"] if row["load"].startswith("256") else row["ratio_requests"]
         print(
-            f"{r['load']:<20} {r['config']:<24} {r['tokens_per_s']:>10,} "
-            f"{r['requests_per_s']:>8,.1f} {ratio:>5.2f}x {r['client_cpu_cores']:>10.2f} "
-            f"{r['sim_cpu_cores']:>8.2f}"
+            f"{row['load']:<20} {row['config']:<24} {row['tokens_per_s']:>10,} "
+            f"{row['requests_per_s']:>8,.1f} {ratio:>5.2f}x {row['client_cpu_cores']:>10.2f} "
+            f"{row['sim_cpu_cores']:>8.2f}"
         )
     print("medians of", args.rounds, "interleaved rounds; CPU in cores (1.0 = one core busy)")
     out = Path(args.json)

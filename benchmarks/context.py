@@ -255,7 +255,7 @@ async def hop_cost(iterations: int) -> dict[str, Any]:
         msgs.append({"role": "user", "content": user_message(turn, 40)})
         msgs.append({"role": "assistant", "content": user_message(turn + 1, 40)})
     counters = {"estimate": "estimate", "tiktoken": "tiktoken:cl100k_base", "gguf": "auto"}
-    models = [
+    models: list[dict[str, Any]] = [
         {"name": f"{name}-{size}", "window": size, "tokenizer": spec}
         for name, spec in counters.items()
         for size in (100_000, 2048)

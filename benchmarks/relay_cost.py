@@ -64,7 +64,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                 long = await _cpu_per(svc, args.concurrency, args.long_requests, args.tokens)
                 per_request[name].append(req * 1e6)
                 per_token[name].append(max(0.0, long - req) / args.tokens * 1e6)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for name in targets:
             rows.append(
                 {
