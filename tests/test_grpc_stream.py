@@ -221,3 +221,19 @@ async def test_log_lines_of_a_grpc_request_carry_its_upstream_request_id(
     ):
         limited = {x["id"] for x in (await r.json())["records"] if x["status"] == 429}
     assert all(rec.get("request_id") in limited for rec in paused), (paused, limited)
+
+
+async def test_workers_share_the_grpc_port(sim: procs.Service) -> None:
+    """`serve --workers 2`: both processes serve the gRPC port (SO_REUSEPORT, grpc's default),
+    and requests on separate connections, which the kernel spreads over them, all complete."""
+    gateway, target = _grpc_gateway(sim, "--workers", "2")
+    with gateway:
+        for i in range(6):  # a new channel (connection) each time
+            async with grpc.aio.insecure_channel(target) as ch:
+                await asyncio.wait_for(ch.channel_ready(), 20)
+                call = pb_grpc.ChatStub(ch).ChatStream(iter([_request(f"w{i}", "hi", 5)]))
+                kinds = [msg.WhichOneof("kind") async for msg in call]
+            assert kinds[-1] == "done", kinds
+        async with asyncio.timeout(20):  # both workers bound it (the second may start later)
+            while gateway.output().count("gRPC listening on") < 2:
+                await asyncio.sleep(0.05)
