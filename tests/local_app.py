@@ -4,19 +4,24 @@ every answer the test decides (the sim covers everything else)."""
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 
 @contextlib.asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    """Serves `app` until the block ends; yields its base URL, `http://127.0.0.1:PORT`."""
+async def serving(
+    app: web.Application, ssl_context: ssl.SSLContext | None = None
+) -> AsyncIterator[str]:
+    """Serves `app` until the block ends (over TLS with `ssl_context`); yields its base URL,
+    `http(s)://127.0.0.1:PORT`."""
     runner = web.AppRunner(app)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
         await site.start()
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        scheme = "https" if ssl_context else "http"
+        yield f"{scheme}://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()

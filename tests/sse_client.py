@@ -38,7 +38,7 @@ class StreamResult:
     def usage(self) -> dict[str, Any] | None:
         for c in self.chunks:
             if c.get("usage"):
-                return c["usage"]  # type: ignore[no-any-return]
+                return c["usage"]
         return None
 
     @property
