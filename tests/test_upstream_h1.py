@@ -284,3 +284,16 @@ async def test_closing_the_pool_ends_a_response_being_read(sim: procs.Service) -
     pool.close()  # e.g. the gateway shutting down past its drain deadline
     with pytest.raises(aiohttp.ClientPayloadError):
         await asyncio.wait_for(reading, 5.0)
+
+
+async def test_a_large_backlog_is_read_in_bounded_pieces_in_order() -> None:
+    body = bytes(range(256)) * 400  # 100 KiB: buffered whole, under the pause mark
+    whole = answering(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    async with pool_for(whole) as pool:
+        resp = await pool.request(_get_head(), b"", 5.0)
+        async with asyncio.timeout(5):
+            while not resp.complete:  # let all of it arrive before reading any
+                await asyncio.sleep(0.01)
+        pieces = [chunk async for chunk in resp.iter_any()]
+    assert b"".join(pieces) == body
+    assert len(pieces) == 2 and max(map(len, pieces)) == h1.READ_MAX

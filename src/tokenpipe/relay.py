@@ -18,7 +18,7 @@ chunk into a dict only when it merges.
 
 Bounds (per stream): the accumulator stops reading the upstream once it holds HIGH_WATERMARK
 bytes (TCP backpressure then reaches the upstream) and resumes below LOW_WATERMARK; one socket
-read (at most aiohttp's 64 KiB read size) may land on top of the high watermark.
+read (at most 64 KiB, upstream/h1.py's READ_MAX) may land on top of the high watermark.
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ from yarl import URL
 #: (aiohttp's StreamReader uses the same pair).
 HIGH_WATER = 128 * 1024
 LOW_WATER = 64 * 1024
+#: Most bytes one `readany()` returns: what was buffered, merged, up to this much (the relay's
+#: bounds count one read on top of its watermark).
+READ_MAX = 64 * 1024
 #: Longest response head (status line and headers, bytes) accepted; more is a protocol error.
 MAX_HEAD_BYTES = 64 * 1024
 
@@ -149,12 +152,30 @@ class UpstreamResponse:
                 self._waiter = None
         if self._fatal is not None:
             raise self._fatal
-        data = self._buffer.popleft() if len(self._buffer) == 1 else b"".join(self._buffer)
-        self._buffer.clear()
-        self._size = 0
-        if self._conn is not None:
+        buffer = self._buffer
+        if self._size <= READ_MAX:
+            data = buffer.popleft() if len(buffer) == 1 else b"".join(buffer)
+            buffer.clear()
+        else:
+            parts: list[bytes] = []
+            n = 0
+            while n < READ_MAX:
+                chunk = buffer.popleft()
+                if n + len(chunk) > READ_MAX:
+                    buffer.appendleft(chunk[READ_MAX - n :])
+                    chunk = chunk[: READ_MAX - n]
+                parts.append(chunk)
+                n += len(chunk)
+            data = b"".join(parts)
+        self._size -= len(data)
+        if self._conn is not None and self._size < LOW_WATER:
             self._conn.resume()
         return data
+
+    @property
+    def complete(self) -> bool:
+        """The whole body arrived (some of it may still wait to be read)."""
+        return self._eof and self._error is None
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         while chunk := await self.readany():
