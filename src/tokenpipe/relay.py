@@ -675,7 +675,7 @@ async def _read_one(
     tally = parser.tally
     try:
         if guard is None:
-            async for chunk in uresp.content.iter_any():
+            async for chunk in uresp.iter_any():
                 pieces = parser.feed(chunk)
                 if pieces and acc.deliver(pieces):
                     await acc.wait_below_low()
@@ -786,8 +786,7 @@ async def _read_guarded(
     While the client keeps up, the body is not read here at all: the HTTP parser pushes each
     piece to `take` (UpstreamResponse.take), which parses and writes it on the spot, and this task
     stays parked in `readany()`, woken only for what `take` declines."""
-    content = uresp.content
-    readany = content.readany
+    readany = uresp.readany
     watch = StallWatch(guard)
     now = guard.now
     feed = parser.feed
@@ -802,7 +801,7 @@ async def _read_guarded(
             if pieces:
                 deliver(pieces)  # written, or queued (at most one read: under the watermark)
         except Exception as e:  # the parked task raises it as if it had read the bytes itself
-            content.set_exception(e)
+            uresp.set_exception(e)
         return True
 
     uresp.take(take)

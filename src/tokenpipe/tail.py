@@ -320,7 +320,7 @@ class TailControl:
         `a.prefix` for the relay (at most PREFIX_LIMIT bytes plus one read)."""
         decoder = sse.SSEDecoder()
         size = 0
-        async for chunk in resp.content.iter_any():
+        async for chunk in resp.iter_any():
             a.prefix.append(chunk)
             size += len(chunk)
             for data, comment, _ in decoder.feed(chunk):
@@ -577,7 +577,7 @@ class StreamGuard:
                 await _until_content(uresp, parser, acc)
         except TimeoutError:
             if not scope.expired():
-                raise  # not ours: aiohttp's own read timeout (a TimeoutError too)
+                raise  # not ours: a read timeout below (a TimeoutError too)
         except Exception as e:
             if acc.write_error is not None or isinstance(e, sse.SSEProtocolError):
                 raise
@@ -886,7 +886,7 @@ class StreamGuard:
 async def _until_content(uresp: UpstreamResponse, parser: EventParser, acc: Accumulator) -> None:
     """Reads the first response into the accumulator until content, an error, a finish or
     the end (the relay's normal reading takes over from there)."""
-    async for chunk in uresp.content.iter_any():
+    async for chunk in uresp.iter_any():
         pieces = parser.feed(chunk)
         if not pieces:
             continue

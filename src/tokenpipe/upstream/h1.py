@@ -9,9 +9,9 @@ more than all of its own features), and every request is paid for again by every
 queued behind it in a burst. The gateway needs one request shape only: a POST (or a GET of
 /models) of a body it already holds, to a URL from its config, with headers from its config.
 
-The response keeps the part of aiohttp's `ClientResponse` interface the gateway uses (`status`,
-`headers`, `content.readany()`/`iter_any()`, `read()`, `release()`, `close()`), and its errors
-are aiohttp's client exceptions, so callers handle both alike.
+The response offers what the gateway reads (`status`, `headers`, `readany()`, `iter_any()`,
+`read()`, `close()`), and its errors are aiohttp's client exceptions, which the gateway's
+handlers already catch for its HTTP front.
 
 Bounds: at most `limit` connections per upstream (a request beyond waits for one to be
 released); idle connections are closed after `keepalive_s`; a response buffers at most
@@ -49,7 +49,7 @@ Taker = Callable[[bytes], bool]
 
 class UpstreamResponse:
     """One upstream response; its body is read with `readany()` (b"" at the end) or pushed to
-    a taker (`take`). Also its own `content`, as aiohttp's response has one."""
+    a taker (`take`)."""
 
     __slots__ = (
         "_buffer",
@@ -62,7 +62,6 @@ class UpstreamResponse:
         "_taker",
         "_waiter",
         "headers",
-        "reason",
         "status",
     )
 
@@ -70,7 +69,6 @@ class UpstreamResponse:
         self, conn: Connection, status: int, headers: CIMultiDict[str], timeout: float | None
     ):
         self.status = status
-        self.reason = ""
         self.headers = CIMultiDictProxy(headers)
         self._conn: Connection | None = conn
         self._buffer: collections.deque[bytes] = collections.deque()
@@ -81,10 +79,6 @@ class UpstreamResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._taker: Taker | None = None
         self._read_timeout = timeout
-
-    @property
-    def content(self) -> UpstreamResponse:
-        return self
 
     @property
     def content_length(self) -> int | None:
@@ -185,12 +179,10 @@ class UpstreamResponse:
         parts = [chunk async for chunk in self.iter_any()]
         return b"".join(parts)
 
-    def release(self) -> None:
-        """Done with the response: a finished one's connection is already back in the pool;
-        an unfinished one's is closed (its rest would precede the next response)."""
-        self.close()
-
     def close(self) -> None:
+        """Done with the response: a finished one's connection is already back in the pool;
+        an unfinished one's is closed (its rest would precede the next response, and the
+        upstream sees the request abandoned)."""
         self._eof = True  # first: the abort below must not record an error for this reader
         self._buffer.clear()
         self._size = 0

@@ -48,10 +48,9 @@ class HttpUpstream:
     def __init__(self, settings: UpstreamSettings) -> None:
         self.settings = settings
         self.name = settings.name
-        self.base_url = settings.url.rstrip("/")
+        self._url = URL(settings.url.rstrip("/"))
         self._pool: h1.Pool | None = None
-        base = URL(self.base_url)
-        self._base_path = base.raw_path.rstrip("/")
+        self._base_path = self._url.raw_path.rstrip("/")
         # The request head but its per-request lines, built once (a header value from the
         # config with a line break would forge headers: refused here).
         key = settings.api_key()
@@ -68,7 +67,7 @@ class HttpUpstream:
     def pool(self) -> h1.Pool:
         if self._pool is None:
             self._pool = h1.Pool(
-                URL(self.base_url),
+                self._url,
                 limit=self.settings.max_connections,
                 connect_timeout=self.settings.connect_timeout_seconds,
                 receive_buffer_bytes=self.settings.receive_buffer_bytes,
@@ -138,7 +137,7 @@ class HttpUpstream:
                         return None
                     return orjson.loads(await read_bounded(resp, MAX_MODELS_BYTES))
                 finally:
-                    resp.release()
+                    resp.close()
         except (TimeoutError, aiohttp.ClientError, GatewayError, orjson.JSONDecodeError):
             log.warning("upstream %s: could not list its models", self.name)
             return None
@@ -205,7 +204,7 @@ async def read_bounded(resp: h1.UpstreamResponse, limit: int = MAX_RESPONSE_BYTE
         raise GatewayError(502, "Upstream response too large.", code="upstream_response_too_large")
     parts: list[bytes] = []
     size = 0
-    async for chunk in resp.content.iter_any():
+    async for chunk in resp.iter_any():
         size += len(chunk)
         if size > limit:
             raise GatewayError(
