@@ -4,7 +4,19 @@ relay (the floor for any Python gateway), through tokenpipe, and through LiteLLM
 All targets share one sim and run interleaved (round r runs the targets in a rotated order), so
 machine noise lands on every target alike. Prints a table and writes JSON.
 
+Users start staggered by default: spread evenly over one request's duration, so the load is
+steady from the start, as a gateway's is in service. `--start burst` starts them together:
+every round is then waves of simultaneous arrivals, and TTFT measures how fast a gateway works
+through a queue of new requests (each one's CPU delays the ones behind it).
+
+Besides pooled percentiles, each gateway's TTFT is compared with the bare relay's round by
+round (the two ran one after the other): the median of those differences ("vs relay") is what
+the targets are judged on, since the pooled figures of two targets drift apart with the
+machine's noise. Tokens/s is the sum of each user's own rate (its tokens over its span).
+
     python benchmarks/overhead.py                      # paced (200 tokens/s/stream) and unpaced
+    python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --rounds 12
+    python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --start burst
     python benchmarks/overhead.py --litellm off --concurrency 64 --rounds 5
     python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --burn-us 700
     python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --features-off
@@ -24,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import statistics
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +72,8 @@ class Target:
     summary: Summary = field(default_factory=Summary)
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    #: Per round: (TTFT p50 ms, TTFT p99 ms, users' tokens/s).
+    rounds: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
@@ -76,7 +91,9 @@ def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
     return litellm("overhead", port, config, {"LITELLM_MASTER_KEY": LITELLM_KEY})
 
 
-async def _run_target(t: Target, concurrency: int, requests: int, max_tokens: int) -> None:
+async def _run_target(
+    t: Target, concurrency: int, requests: int, max_tokens: int, ramp_s: float
+) -> None:
     cpu0 = cpu_seconds(t.pid)
     result = await run_load(
         t.url,
@@ -87,56 +104,127 @@ async def _run_target(t: Target, concurrency: int, requests: int, max_tokens: in
         max_tokens=max_tokens,
         prompt_tokens=32,
         label=t.name,
+        ramp_s=ramp_s,
     )
     t.cpu_s += cpu_seconds(t.pid) - cpu0
     t.wall_s += result.wall_s
-    t.summary.merge(result.summary())
+    summary = result.summary()
+    t.summary.merge(summary)
+    ttft = summary.to_json()["ttft_ms"]
+    t.rounds.append((ttft["p50"] or 0.0, ttft["p99"] or 0.0, result.users_tokens_per_s() or 0.0))
 
 
 def _sub(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def _row(t: Target, base: Target) -> dict[str, Any]:
+def _vs(t: Target, relay: Target | None, i: int) -> float | None:
+    """Median over rounds of t's figure `i` minus the relay's in the same round."""
+    if relay is None or t is relay or not t.rounds or t.pid is None:
+        return None
+    return statistics.median(a[i] - b[i] for a, b in zip(t.rounds, relay.rounds, strict=True))
+
+
+def _row(t: Target, base: Target, relay: Target | None) -> dict[str, Any]:
     s = t.summary
     s.wall_s = t.wall_s
     j = s.to_json()
     b = base.summary.to_json()
-    tps = j["output_tokens_per_s"] or 0.0
+    tps = statistics.fmean(r[2] for r in t.rounds) if t.rounds else 0.0
+    base_tps = statistics.fmean(r[2] for r in base.rounds) if base.rounds else 0.0
     return {
         "target": t.name,
         "ttft_p50_ms": j["ttft_ms"]["p50"],
         "ttft_p99_ms": j["ttft_ms"]["p99"],
         "added_ttft_p50_ms": _sub(j["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
         "added_ttft_p99_ms": _sub(j["ttft_ms"]["p99"], b["ttft_ms"]["p99"]),
+        "vs_relay_ttft_p50_ms": _vs(t, relay, 0),
+        "vs_relay_ttft_p99_ms": _vs(t, relay, 1),
+        "rounds_ttft_p50_ms": [r[0] for r in t.rounds],
+        "rounds_ttft_p99_ms": [r[1] for r in t.rounds],
         # Per token (chunk gap / tokens in it): comparable whether or not chunks were merged.
         "itl_p50_ms": j["itl_token_ms"]["p50"],
         "itl_p99_ms": j["itl_token_ms"]["p99"],
         "tokens_per_chunk": j["tokens_per_chunk"],
         "tokens_per_s": tps,
-        "tokens_per_s_vs_direct": tps / (b["output_tokens_per_s"] or 1.0),
+        "tokens_per_s_vs_direct": tps / (base_tps or 1.0),
         "cpu_s_per_1k_tokens": (t.cpu_s / s.output_tokens * 1000) if s.output_tokens else None,
         "requests_ok": j["requests_ok"],
         "requests_failed": j["requests_failed"],
     }
 
 
-def _print(pace: str, concurrency: int, rows: list[dict[str, Any]]) -> None:
-    print(f"\n== {pace}, concurrency {concurrency} ==")
+def _print(pace: str, start: str, concurrency: int, rows: list[dict[str, Any]]) -> None:
+    print(f"\n== {pace}, concurrency {concurrency}, {start} start ==")
     print(
-        f"{'target':<11} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
+        f"{'target':<13} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
+        f"{'vs relay p50':>12} {'p99':>7} "
         f"{'ITL/tok p50':>11} {'p99':>7} {'tok/chunk':>9} {'tok/s':>9} {'x direct':>8} "
         f"{'CPU s/1k':>8} {'fail':>5}"
     )
     for r in rows:
         print(
-            f"{r['target']:<11} {fmt(r['ttft_p50_ms'], 9)} {fmt(r['ttft_p99_ms'], 8)} "
+            f"{r['target']:<13} {fmt(r['ttft_p50_ms'], 9)} {fmt(r['ttft_p99_ms'], 8)} "
             f"{fmt(r['added_ttft_p50_ms'], 7)} {fmt(r['added_ttft_p99_ms'], 7)} "
+            f"{fmt(r['vs_relay_ttft_p50_ms'], 12)} {fmt(r['vs_relay_ttft_p99_ms'], 7)} "
             f"{fmt(r['itl_p50_ms'], 11, 3)} {fmt(r['itl_p99_ms'], 7, 3)} "
             f"{fmt(r['tokens_per_chunk'], 9)} {fmt(r['tokens_per_s'], 9, 0)} "
             f"{fmt(r['tokens_per_s_vs_direct'], 8)} {fmt(r['cpu_s_per_1k_tokens'], 8, 3)} "
             f"{r['requests_failed']:5d}"
         )
+
+
+async def _bench_one(
+    args: argparse.Namespace,
+    pace: str,
+    start: str,
+    concurrency: int,
+    sim_url: str,
+    relay: Service,
+    gw: Service,
+    off: Service | None,
+    burn: Service | None,
+    litellm: subprocess.Popen[bytes] | None,
+) -> dict[str, Any]:
+    """One table: every target at one pace, start and concurrency, interleaved in rounds."""
+    itl_ms = 5.0 if pace == "paced" else 0.0
+    # Staggered: users spread over one request's duration (TTFT + tokens x ITL).
+    ramp_s = (args.ttft_ms + args.max_tokens * itl_ms) / 1000 if start == "staggered" else 0.0
+    targets = [
+        Target("direct", sim_url + "/v1", None),
+        Target("bare-relay", relay.url + "/v1", relay.pid),
+        Target("tokenpipe", gw.url + "/v1", gw.pid),
+    ]
+    if off is not None:
+        targets.append(Target("tokenpipe-off", off.url + "/v1", off.pid))
+    if burn is not None:
+        targets.append(Target(f"relay+{args.burn_us:g}us", burn.url + "/v1", burn.pid))
+    if litellm is not None:
+        targets.append(
+            Target("litellm", f"http://127.0.0.1:{args.litellm_port}/v1", litellm.pid, LITELLM_KEY)
+        )
+    requests = concurrency * args.requests_per_user
+    for t in targets:  # warm-up: connections, caches, JIT-free but lazy imports
+        await run_load(
+            t.url,
+            MODEL,
+            api_key=t.api_key,
+            concurrency=concurrency,
+            requests=concurrency,
+            max_tokens=8,
+            prompt_tokens=32,
+        )
+    for r in range(args.rounds):
+        order = targets[r % len(targets) :] + targets[: r % len(targets)]
+        for t in order:
+            print(
+                f"  {pace} {start} c={concurrency} round {r + 1}/{args.rounds} {t.name}",
+                flush=True,
+            )
+            await _run_target(t, concurrency, requests, args.max_tokens, ramp_s)
+    rows = [_row(t, targets[0], targets[1]) for t in targets]
+    _print(pace, start, concurrency, rows)
+    return {"pace": pace, "start": start, "concurrency": concurrency, "rows": rows}
 
 
 async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -155,45 +243,16 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
     ):
         litellm = None
         if args.litellm != "off":
-            port = free_port()
-            litellm = _litellm(sim.url, port)
+            args.litellm_port = free_port()
+            litellm = _litellm(sim.url, args.litellm_port)
         try:
-            for concurrency in args.concurrency:
-                targets = [
-                    Target("direct", sim.url + "/v1", None),
-                    Target("bare-relay", relay.url + "/v1", relay.pid),
-                    Target("tokenpipe", gw.url + "/v1", gw.pid),
-                ]
-                if off is not None:
-                    targets.append(Target("tokenpipe-off", off.url + "/v1", off.pid))
-                if burn is not None:
-                    targets.append(Target(f"relay+{args.burn_us:g}us", burn.url + "/v1", burn.pid))
-                if litellm is not None:
-                    targets.append(
-                        Target("litellm", f"http://127.0.0.1:{port}/v1", litellm.pid, LITELLM_KEY)
-                    )
-                requests = concurrency * args.requests_per_user
-                for t in targets:  # warm-up: connections, caches, JIT-free but lazy imports
-                    await run_load(
-                        t.url,
-                        MODEL,
-                        api_key=t.api_key,
-                        concurrency=concurrency,
-                        requests=concurrency,
-                        max_tokens=8,
-                        prompt_tokens=32,
-                    )
-                for r in range(args.rounds):
-                    order = targets[r % len(targets) :] + targets[: r % len(targets)]
-                    for t in order:
-                        print(
-                            f"  {pace} c={concurrency} round {r + 1}/{args.rounds} {t.name}",
-                            flush=True,
+            for start in args.start.split(","):
+                for concurrency in args.concurrency:
+                    out.append(
+                        await _bench_one(
+                            args, pace, start, concurrency, sim.url, relay, gw, off, burn, litellm
                         )
-                        await _run_target(t, concurrency, requests, args.max_tokens)
-                rows = [_row(t, targets[0]) for t in targets]
-                _print(pace, concurrency, rows)
-                out.append({"pace": pace, "concurrency": concurrency, "rows": rows})
+                    )
         finally:
             if litellm is not None:
                 litellm.terminate()
@@ -207,6 +266,11 @@ def main() -> None:
         "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64]
     )
     p.add_argument("--pace", default="paced,unpaced", help="paced, unpaced or both")
+    p.add_argument(
+        "--start",
+        default="staggered",
+        help="staggered (users spread over one request's duration), burst (all at once), or both",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests-per-user", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=100)

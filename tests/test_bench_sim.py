@@ -110,6 +110,38 @@ async def test_failed_requests_are_counted_with_their_error(paced):
     assert all("503" in (rec.error or "") for rec in r.records)
 
 
+async def test_closed_loop_ramp_staggers_the_users_and_their_rate_leaves_the_ramp_out(paced):
+    # 4 users over a 0.3 s ramp: user k starts at k * 75 ms; each request takes ~0.4 s (100 ms
+    # TTFT + 29 gaps of 10 ms), longer than the ramp, so each user sends exactly two.
+    r = await run_load(paced.url + "/v1", "m", concurrency=4, requests=8, max_tokens=30, ramp_s=0.3)
+    assert len(r.records) == 8 and all(rec.ok for rec in r.records)
+    firsts = {}
+    for rec in r.records:
+        firsts[rec.user] = min(firsts.get(rec.user, rec.sent_at), rec.sent_at)
+    assert sorted(firsts) == [0, 1, 2, 3]
+    assert sorted(rec.user for rec in r.records) == [0, 0, 1, 1, 2, 2, 3, 3]
+    for k in range(4):
+        offset = firsts[k] - firsts[0]
+        assert k * 0.075 - 0.002 <= offset <= k * 0.075 + 0.05
+    # Each user ran 60 tokens back to back: its rate is 60 tokens over its two requests.
+    expected = sum(
+        sum(rec.output_tokens for rec in r.records if rec.user == k)
+        / sum(rec.e2e or 0 for rec in r.records if rec.user == k)
+        for k in range(4)
+    )
+    rate = r.users_tokens_per_s()
+    assert rate == pytest.approx(expected, rel=0.05)
+    # Tokens over wall time counts the ramp too: lower by about the ramp's share of the run.
+    assert r.summary().to_json()["output_tokens_per_s"] < 0.9 * rate
+
+
+async def test_closed_loop_users_start_together_without_a_ramp(paced):
+    r = await run_load(paced.url + "/v1", "m", concurrency=4, requests=4, max_tokens=3)
+    sends = sorted(rec.sent_at for rec in r.records)
+    assert sorted(rec.user for rec in r.records) == [0, 1, 2, 3]
+    assert sends[-1] - sends[0] < 0.05
+
+
 async def test_open_loop_spreads_arrivals_at_the_given_rate(sim):
     r = await run_load(
         sim.url + "/v1",
@@ -229,3 +261,18 @@ def test_self_test_reports_the_clients_ceiling(tmp_path: Path):
     assert row["tokens_per_s"] > 1000 and row["requests_per_s"] > 10
     assert row["verdict"]
     assert "client ceiling" in p.stdout
+
+
+def test_cli_ramp_spreads_the_users_and_refuses_an_open_loop(paced, tmp_path: Path):
+    # Requests take >= 120 ms, longer than the ramp: each of the 4 users sends one.
+    out = tmp_path / "bench.json"
+    p = _bench(
+        paced.url + "/v1",
+        *("--concurrency", "4", "--requests", "4", "--max-tokens", "3", "--warmup", "0"),
+        *("--ramp", "0.09", "--json", str(out)),
+    )
+    assert p.returncode == 0, p.stderr
+    starts = sorted(r["start_ms"] for r in json.loads(out.read_text())["requests"])
+    assert starts[-1] - starts[0] >= 0.75 * 90 - 2  # the last of 4 users starts at 3/4 of it
+    p = _bench(paced.url + "/v1", "--ramp", "1", "--rate", "5")
+    assert p.returncode == 2 and "only in a closed loop" in p.stderr

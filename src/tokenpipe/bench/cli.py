@@ -80,6 +80,14 @@ class _Live:
     help="Gamma shape: 1 is Poisson, <1 burstier, >1 more regular.",
 )
 @click.option(
+    "--ramp",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Closed loop: start the users spread over this many seconds (one request's duration "
+    "gives steady load from the start; 0: all at once).",
+)
+@click.option(
     "--prompt-tokens",
     type=int,
     default=64,
@@ -182,6 +190,7 @@ def bench(
     rate: float | None,
     arrival: str,
     burstiness: float,
+    ramp: float,
     prompt_tokens: int,
     prompts_file: str | None,
     max_tokens: int,
@@ -233,6 +242,8 @@ def bench(
         raise click.UsageError(str(e)) from None
     if not concurrencies or min(concurrencies) < 1:
         raise click.UsageError("--concurrency needs positive integers")
+    if ramp < 0 or (ramp and rate is not None):
+        raise click.UsageError("--ramp takes seconds >= 0, and only in a closed loop (no --rate)")
     protocols = [p.strip() for p in compare.split(",")] if compare else [protocol]
     for p in protocols:
         if p not in ("sse", "h2", "grpc"):
@@ -260,6 +271,7 @@ def bench(
         rate=rate,
         arrival=arrival,
         burstiness=burstiness,
+        ramp_s=ramp,
         protocols=tuple(protocols),
         prompts=prompt_list,
         prompt_tokens=prompt_tokens,

@@ -43,6 +43,21 @@ class RunResult:
     def wall_s(self) -> float:
         return max(0.0, self.ended_at - self.started_at)
 
+    def users_tokens_per_s(self) -> float | None:
+        """A closed loop's throughput: the sum over users of each one's output tokens over its
+        own span (first send to last end). Unlike tokens over wall time it holds no ramp and no
+        wait for the last straggler: it is the rate the users sustained. None without users."""
+        spans: dict[int, list[float]] = {}
+        for r in self.records:
+            if r.user < 0 or r.end_at is None or not r.ok:
+                continue
+            span = spans.setdefault(r.user, [r.sent_at, r.end_at, 0.0])
+            span[0] = min(span[0], r.sent_at)
+            span[1] = max(span[1], r.end_at)
+            span[2] += r.output_tokens
+        rates = [tokens / (end - start) for start, end, tokens in spans.values() if end > start]
+        return sum(rates) if rates else None
+
     def summary(self, slo: SLO | None = None, protocol: str | None = None) -> Summary:
         recs = (
             self.records
@@ -103,10 +118,14 @@ async def run_load(
     grpc_url: str | None = None,
     timeout_s: float = 600.0,
     on_record: Callable[[RequestRecord], None] | None = None,
+    ramp_s: float = 0.0,
 ) -> RunResult:
     """Send streaming chat requests to `url` and record each one.
 
     Closed loop (default): `concurrency` users, each sends its next request when the last ends.
+    They start together, or with `ramp_s`, spread evenly over that many seconds (user k at
+    k * ramp_s / concurrency): a ramp of one request's duration gives steady load from the
+    start instead of waves of simultaneous arrivals.
     Open loop (`rate` requests/s): arrivals on a Poisson or gamma schedule, at most
     `concurrency` in flight (an arrival beyond that waits, and its wait is not hidden: `sent_at`
     is when it went out, `RequestRecord.index` keeps the order).
@@ -142,13 +161,14 @@ async def run_load(
             await c.__aenter__()
             entered.append(c)
 
-        async def one(i: int, record: bool, lag: float = 0.0) -> None:
+        async def one(i: int, record: bool, lag: float = 0.0, user: int = -1) -> None:
             proto = protocols[i % len(protocols)]
             req = ChatRequest(
                 model, prompts_mod.cycle(prompt_list, i), max_tokens, temperature, headers or {}
             )
             rec = RequestRecord(index=i, protocol=proto, label=label, temperature=temperature)
             rec.schedule_lag = lag
+            rec.user = user
             try:
                 await clients[proto].send(req, rec)
             except Exception as e:  # a broken stream fails this request, not the whole run
@@ -160,10 +180,12 @@ async def run_load(
                     on_record(rec)
 
         if warmup:
-            await _closed_loop(lambda i: one(i + 10**9, False), concurrency, warmup, None)
+            await _closed_loop(lambda i, _: one(i + 10**9, False), concurrency, warmup, None)
         result.started_at = time.perf_counter()
         if rate is None:
-            await _closed_loop(lambda i: one(i, True), concurrency, requests, duration_s)
+            await _closed_loop(
+                lambda i, k: one(i, True, user=k), concurrency, requests, duration_s, ramp_s
+            )
         else:
             await _open_loop(
                 lambda i, lag: one(i, True, lag),
@@ -199,23 +221,29 @@ async def run_load(
 
 
 async def _closed_loop(
-    one: Callable[[int], Any], users: int, requests: int | None, duration_s: float | None
+    one: Callable[[int, int], Any],
+    users: int,
+    requests: int | None,
+    duration_s: float | None,
+    ramp_s: float = 0.0,
 ) -> None:
     counter = itertools.count()
     deadline = None if duration_s is None else time.perf_counter() + duration_s
 
-    async def user() -> None:
+    async def user(k: int) -> None:
+        if ramp_s > 0 and k:
+            await asyncio.sleep(ramp_s * k / users)  # the start schedule, not synchronisation
         while True:
             i = next(counter)
             if requests is not None and i >= requests:
                 return
             if deadline is not None and time.perf_counter() >= deadline:
                 return
-            await one(i)
+            await one(i, k)
 
     async with asyncio.TaskGroup() as tg:
-        for _ in range(users):
-            tg.create_task(user())
+        for k in range(users):
+            tg.create_task(user(k))
 
 
 async def _open_loop(

@@ -108,6 +108,8 @@ class RequestRecord:
     temperature: float | None = None
     #: Open loop: seconds the request went out after its scheduled arrival.
     schedule_lag: float = 0.0
+    #: Closed loop: the user (0 .. concurrency-1) that sent it; -1 otherwise.
+    user: int = -1
 
     @property
     def ok(self) -> bool:
