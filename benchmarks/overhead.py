@@ -59,6 +59,9 @@ from tokenpipe.serving import install_uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "sim-model"
+#: The sim's gap between tokens when paced: 200 tokens/s per stream.
+PACED_ITL_MS = 5.0
+STARTS = ("staggered", "burst")
 #: LiteLLM's proxy refuses to start without a master key; clients then must present it.
 LITELLM_KEY = "sk-tokenpipe-bench-0123456789abcdef"
 
@@ -187,7 +190,7 @@ async def _bench_one(
     litellm: subprocess.Popen[bytes] | None,
 ) -> dict[str, Any]:
     """One table: every target at one pace, start and concurrency, interleaved in rounds."""
-    itl_ms = 5.0 if pace == "paced" else 0.0
+    itl_ms = PACED_ITL_MS if pace == "paced" else 0.0
     # Staggered: users spread over one request's duration (TTFT + tokens x ITL).
     ramp_s = (args.ttft_ms + args.max_tokens * itl_ms) / 1000 if start == "staggered" else 0.0
     targets = [
@@ -228,7 +231,7 @@ async def _bench_one(
 
 
 async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    itl = "5" if pace == "paced" else "0"  # 200 tokens/s per stream, or as fast as possible
+    itl = f"{PACED_ITL_MS:g}" if pace == "paced" else "0"  # paced, or as fast as possible
     out: list[dict[str, Any]] = []
     with (
         Service(
@@ -246,7 +249,7 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
             args.litellm_port = free_port()
             litellm = _litellm(sim.url, args.litellm_port)
         try:
-            for start in args.start.split(","):
+            for start in args.start:
                 for concurrency in args.concurrency:
                     out.append(
                         await _bench_one(
@@ -260,6 +263,13 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
     return out
 
 
+def _starts(text: str) -> list[str]:
+    starts = [s.strip() for s in text.split(",")]
+    if not starts or any(s not in STARTS for s in starts):
+        raise argparse.ArgumentTypeError(f"use {' or '.join(STARTS)}, or both comma-separated")
+    return starts
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -269,6 +279,7 @@ def main() -> None:
     p.add_argument(
         "--start",
         default="staggered",
+        type=_starts,
         help="staggered (users spread over one request's duration), burst (all at once), or both",
     )
     p.add_argument("--rounds", type=int, default=3)
