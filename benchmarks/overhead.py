@@ -73,7 +73,6 @@ class Target:
     pid: int | None  # the process whose CPU is the gateway's cost (None: direct)
     api_key: str | None = None
     summary: Summary = field(default_factory=Summary)
-    wall_s: float = 0.0
     cpu_s: float = 0.0
     #: Per round: (TTFT p50 ms, TTFT p99 ms, users' tokens/s).
     rounds: list[tuple[float, float, float]] = field(default_factory=list)
@@ -110,7 +109,6 @@ async def _run_target(
         ramp_s=ramp_s,
     )
     t.cpu_s += cpu_seconds(t.pid) - cpu0
-    t.wall_s += result.wall_s
     summary = result.summary()
     t.summary.merge(summary)
     ttft = summary.to_json()["ttft_ms"]
@@ -130,7 +128,6 @@ def _vs(t: Target, relay: Target | None, i: int) -> float | None:
 
 def _row(t: Target, base: Target, relay: Target | None) -> dict[str, Any]:
     s = t.summary
-    s.wall_s = t.wall_s
     j = s.to_json()
     b = base.summary.to_json()
     tps = statistics.fmean(r[2] for r in t.rounds) if t.rounds else 0.0
@@ -178,34 +175,15 @@ def _print(pace: str, start: str, concurrency: int, rows: list[dict[str, Any]]) 
 
 
 async def _bench_one(
-    args: argparse.Namespace,
-    pace: str,
-    start: str,
-    concurrency: int,
-    sim_url: str,
-    relay: Service,
-    gw: Service,
-    off: Service | None,
-    burn: Service | None,
-    litellm: subprocess.Popen[bytes] | None,
+    args: argparse.Namespace, pace: str, start: str, concurrency: int, endpoints: list[Target]
 ) -> dict[str, Any]:
-    """One table: every target at one pace, start and concurrency, interleaved in rounds."""
+    """One table: every target at one pace, start and concurrency, interleaved in rounds.
+    `endpoints`: direct first, the bare relay second (the baselines); each table gets fresh
+    tallies of them."""
     itl_ms = PACED_ITL_MS if pace == "paced" else 0.0
     # Staggered: users spread over one request's duration (TTFT + tokens x ITL).
     ramp_s = (args.ttft_ms + args.max_tokens * itl_ms) / 1000 if start == "staggered" else 0.0
-    targets = [
-        Target("direct", sim_url + "/v1", None),
-        Target("bare-relay", relay.url + "/v1", relay.pid),
-        Target("tokenpipe", gw.url + "/v1", gw.pid),
-    ]
-    if off is not None:
-        targets.append(Target("tokenpipe-off", off.url + "/v1", off.pid))
-    if burn is not None:
-        targets.append(Target(f"relay+{args.burn_us:g}us", burn.url + "/v1", burn.pid))
-    if litellm is not None:
-        targets.append(
-            Target("litellm", f"http://127.0.0.1:{args.litellm_port}/v1", litellm.pid, LITELLM_KEY)
-        )
+    targets = [Target(e.name, e.url, e.pid, e.api_key) for e in endpoints]
     requests = concurrency * args.requests_per_user
     for t in targets:  # warm-up: connections, caches, JIT-free but lazy imports
         await run_load(
@@ -244,18 +222,26 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
         if args.features_off
         else contextlib.nullcontext() as off,
     ):
+        endpoints = [
+            Target("direct", sim.url + "/v1", None),
+            Target("bare-relay", relay.url + "/v1", relay.pid),
+            Target("tokenpipe", gw.url + "/v1", gw.pid),
+        ]
+        if off is not None:
+            endpoints.append(Target("tokenpipe-off", off.url + "/v1", off.pid))
+        if burn is not None:
+            endpoints.append(Target(f"relay+{args.burn_us:g}us", burn.url + "/v1", burn.pid))
         litellm = None
         if args.litellm != "off":
-            args.litellm_port = free_port()
-            litellm = _litellm(sim.url, args.litellm_port)
+            port = free_port()
+            litellm = _litellm(sim.url, port)
+            if litellm is not None:
+                url = f"http://127.0.0.1:{port}/v1"
+                endpoints.append(Target("litellm", url, litellm.pid, LITELLM_KEY))
         try:
             for start in args.start:
                 for concurrency in args.concurrency:
-                    out.append(
-                        await _bench_one(
-                            args, pace, start, concurrency, sim.url, relay, gw, off, burn, litellm
-                        )
-                    )
+                    out.append(await _bench_one(args, pace, start, concurrency, endpoints))
         finally:
             if litellm is not None:
                 litellm.terminate()
