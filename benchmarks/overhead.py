@@ -12,10 +12,18 @@ through a queue of new requests (each one's CPU delays the ones behind it).
 Besides pooled percentiles, each gateway's TTFT is compared with the bare relay's round by
 round (the two ran one after the other): the median of those differences ("vs relay") is what
 the targets are judged on, since the pooled figures of two targets drift apart with the
-machine's noise. Tokens/s is the sum of each user's own rate (its tokens over its span).
+machine's noise; the 95% interval printed under the table is a bootstrap over rounds.
+Tokens/s is the sum of each user's own rate (its tokens over its span).
+
+`--round-s S` makes each round S seconds of load per target instead of a fixed number of
+requests, counting only requests sent once the ramp is over (steady load). A round's p50 moves
+with the machine's hiccups during it; that spread shrinks with the round's length, so long
+rounds are how a difference to the relay gets resolved to a millisecond or two on this machine.
 
     python benchmarks/overhead.py                      # paced (200 tokens/s/stream) and unpaced
     python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --rounds 12
+    python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --round-s 20 \
+        --rounds 40                                    # ~45 min: below a millisecond or two
     python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --start burst
     python benchmarks/overhead.py --litellm off --concurrency 64 --rounds 5
     python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --burn-us 700
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 import statistics
 import subprocess
 from dataclasses import dataclass, field
@@ -62,6 +71,8 @@ MODEL = "sim-model"
 #: The sim's gap between tokens when paced: 200 tokens/s per stream.
 PACED_ITL_MS = 5.0
 STARTS = ("staggered", "burst")
+#: Resamples of the bootstrap interval of the differences to the relay (seeded: reproducible).
+BOOTSTRAP = 2000
 #: LiteLLM's proxy refuses to start without a master key; clients then must present it.
 LITELLM_KEY = "sk-tokenpipe-bench-0123456789abcdef"
 
@@ -94,7 +105,7 @@ def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
 
 
 async def _run_target(
-    t: Target, concurrency: int, requests: int, max_tokens: int, ramp_s: float
+    t: Target, concurrency: int, requests: int, max_tokens: int, ramp_s: float, round_s: float
 ) -> None:
     cpu0 = cpu_seconds(t.pid)
     result = await run_load(
@@ -102,13 +113,17 @@ async def _run_target(
         MODEL,
         api_key=t.api_key,
         concurrency=concurrency,
-        requests=requests,
+        requests=None if round_s else requests,
+        duration_s=round_s or None,
         max_tokens=max_tokens,
         prompt_tokens=32,
         label=t.name,
         ramp_s=ramp_s,
     )
     t.cpu_s += cpu_seconds(t.pid) - cpu0
+    if round_s:  # steady load only: the ramp's requests met fewer streams than `concurrency`
+        steady = result.started_at + ramp_s
+        result.records = [r for r in result.records if r.sent_at >= steady]
     summary = result.summary()
     t.summary.merge(summary)
     ttft = summary.to_json()["ttft_ms"]
@@ -119,17 +134,31 @@ def _sub(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def _vs(t: Target, relay: Target | None, i: int) -> float | None:
-    """Median over rounds of t's figure `i` minus the relay's in the same round."""
-    if relay is None or t is relay or not t.rounds or t.pid is None:
+def _diffs(t: Target, relay: Target | None, i: int) -> list[float]:
+    """Per round: t's figure `i` minus the relay's in the same round (none for the baselines)."""
+    if relay is None or t is relay or t.pid is None:
+        return []
+    return [a[i] - b[i] for a, b in zip(t.rounds, relay.rounds, strict=True)]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _interval(xs: list[float]) -> list[float] | None:
+    """Bootstrap 95% interval of the median of `xs` (resampling rounds)."""
+    if len(xs) < 2:
         return None
-    return statistics.median(a[i] - b[i] for a, b in zip(t.rounds, relay.rounds, strict=True))
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(BOOTSTRAP))
+    return [meds[int(0.025 * BOOTSTRAP)], meds[int(0.975 * BOOTSTRAP) - 1]]
 
 
 def _row(t: Target, base: Target, relay: Target | None) -> dict[str, Any]:
     s = t.summary
     j = s.to_json()
     b = base.summary.to_json()
+    d50, d99 = _diffs(t, relay, 0), _diffs(t, relay, 1)
     tps = statistics.fmean(r[2] for r in t.rounds) if t.rounds else 0.0
     base_tps = statistics.fmean(r[2] for r in base.rounds) if base.rounds else 0.0
     return {
@@ -138,8 +167,10 @@ def _row(t: Target, base: Target, relay: Target | None) -> dict[str, Any]:
         "ttft_p99_ms": j["ttft_ms"]["p99"],
         "added_ttft_p50_ms": _sub(j["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
         "added_ttft_p99_ms": _sub(j["ttft_ms"]["p99"], b["ttft_ms"]["p99"]),
-        "vs_relay_ttft_p50_ms": _vs(t, relay, 0),
-        "vs_relay_ttft_p99_ms": _vs(t, relay, 1),
+        "vs_relay_ttft_p50_ms": _median(d50),
+        "vs_relay_ttft_p99_ms": _median(d99),
+        "vs_relay_ttft_p50_ci95_ms": _interval(d50),
+        "vs_relay_ttft_p99_ci95_ms": _interval(d99),
         "rounds_ttft_p50_ms": [r[0] for r in t.rounds],
         "rounds_ttft_p99_ms": [r[1] for r in t.rounds],
         # Per token (chunk gap / tokens in it): comparable whether or not chunks were merged.
@@ -172,6 +203,13 @@ def _print(pace: str, start: str, concurrency: int, rows: list[dict[str, Any]]) 
             f"{fmt(r['tokens_per_s_vs_direct'], 8)} {fmt(r['cpu_s_per_1k_tokens'], 8, 3)} "
             f"{r['requests_failed']:5d}"
         )
+    for r in rows:
+        ci50, ci99 = r["vs_relay_ttft_p50_ci95_ms"], r["vs_relay_ttft_p99_ci95_ms"]
+        if ci50 is not None and ci99 is not None:
+            print(
+                f"{r['target']} vs relay, 95% interval over rounds: "
+                f"p50 [{ci50[0]:+.1f}, {ci50[1]:+.1f}] ms, p99 [{ci99[0]:+.1f}, {ci99[1]:+.1f}] ms"
+            )
 
 
 async def _bench_one(
@@ -202,7 +240,7 @@ async def _bench_one(
                 f"  {pace} {start} c={concurrency} round {r + 1}/{args.rounds} {t.name}",
                 flush=True,
             )
-            await _run_target(t, concurrency, requests, args.max_tokens, ramp_s)
+            await _run_target(t, concurrency, requests, args.max_tokens, ramp_s, args.round_s)
     rows = [_row(t, targets[0], targets[1]) for t in targets]
     _print(pace, start, concurrency, rows)
     return {"pace": pace, "start": start, "concurrency": concurrency, "rows": rows}
@@ -256,6 +294,13 @@ def _starts(text: str) -> list[str]:
     return starts
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more seconds")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -270,6 +315,13 @@ def main() -> None:
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests-per-user", type=int, default=3)
+    p.add_argument(
+        "--round-s",
+        type=_seconds,
+        default=0.0,
+        help="seconds of load per target and round, counted after the ramp "
+        "(default 0: --requests-per-user requests per user)",
+    )
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--litellm", choices=["auto", "off"], default="auto")
