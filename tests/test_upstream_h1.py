@@ -297,3 +297,55 @@ async def test_a_large_backlog_is_read_in_bounded_pieces_in_order() -> None:
         pieces = [chunk async for chunk in resp.iter_any()]
     assert b"".join(pieces) == body
     assert len(pieces) == 2 and max(map(len, pieces)) == h1.READ_MAX
+
+
+def gated_chunks(*gates: asyncio.Event) -> Handler:
+    """A handler answering a chunked 200 whose body pieces "a", "b", ... each go out once
+    their gate is set, then the end."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i, gate in enumerate(gates):
+            await gate.wait()
+            writer.write(b"1\r\n%c\r\n" % (ord("a") + i))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    return handle
+
+
+async def test_a_taker_nudge_hands_the_reading_back_once_before_the_end() -> None:
+    first, second = asyncio.Event(), asyncio.Event()
+    async with pool_for(gated_chunks(first, second)) as pool:
+        resp = await pool.request(_get_head(), b"", None)
+        taken: list[bytes] = []
+
+        def take(data: bytes) -> bool:
+            taken.append(data)
+            resp.nudge()
+            return True
+
+        resp.take(take)
+        first.set()
+        assert await resp.readany() == b""  # woken by the nudge, not by the end
+        assert taken == [b"a"] and not resp.at_eof()
+        resp.take(None)
+        second.set()
+        assert await resp.readany() == b"b"  # the nudge was spent: no second early return
+        assert await resp.readany() == b"" and resp.at_eof()
+
+
+async def test_a_nudge_before_the_read_returns_it_at_once_and_is_spent() -> None:
+    first, second = asyncio.Event(), asyncio.Event()
+    async with pool_for(gated_chunks(first, second)) as pool:
+        resp = await pool.request(_get_head(), b"", None)
+        first.set()
+        assert await resp.readany() == b"a"
+        resp.nudge()  # nothing buffered and nobody waiting yet
+        assert await resp.readany() == b"" and not resp.at_eof()
+        second.set()
+        assert await resp.readany() == b"b"  # waited for the bytes: the nudge was spent
+        assert await resp.readany() == b"" and resp.at_eof()

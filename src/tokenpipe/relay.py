@@ -777,41 +777,58 @@ class StallWatch:
 PUSH_MAX_BYTES = 16 * 1024
 
 
-async def _read_guarded(
-    uresp: UpstreamResponse, parser: EventParser, acc: Accumulator, guard: StreamGuard
-) -> None:
-    """Reads with the stall deadline on each wait for the upstream. Time spent waiting for a
-    slow client (backpressure) is not the upstream's gap and is not counted.
-
-    While the client keeps up, the body is not read here at all: the HTTP parser pushes each
-    piece to `take` (UpstreamResponse.take), which parses and writes it on the spot, and this task
-    stays parked in `readany()`, woken only for what `take` declines."""
-    readany = uresp.readany
-    watch = StallWatch(guard)
-    now = guard.now
+def push_taker(
+    uresp: UpstreamResponse,
+    parser: EventParser,
+    acc: Accumulator,
+    after: Callable[[list[Piece]], None],
+) -> Callable[[bytes], bool]:
+    """The push path, for `uresp.take`: each piece of body is parsed and delivered (written
+    to the client) in the loop step the HTTP parser hands it over, with no wake-up of the
+    reader task, whose wake-up under load waits behind the rest of the step's work. `after`
+    sees each piece's events. It declines (the task reads it) a piece over PUSH_MAX_BYTES,
+    a paced or credited stream, and any piece while the client is behind."""
     feed = parser.feed
     deliver = acc.deliver
 
     def take(data: bytes) -> bool:
         if len(data) > PUSH_MAX_BYTES or acc.gate is not None or not acc.can_write_now():
             return False
-        watch.arrived(now())
         try:
             pieces = feed(data)
             if pieces:
                 deliver(pieces)  # written, or queued (at most one read: under the watermark)
+            after(pieces)
         except Exception as e:  # the parked task raises it as if it had read the bytes itself
             uresp.set_exception(e)
         return True
 
-    uresp.take(take)
+    return take
+
+
+async def _read_guarded(
+    uresp: UpstreamResponse, parser: EventParser, acc: Accumulator, guard: StreamGuard
+) -> None:
+    """Reads with the stall deadline on each wait for the upstream. Time spent waiting for a
+    slow client (backpressure) is not the upstream's gap and is not counted.
+
+    While the client keeps up, the body is not read here at all: it is pushed (`push_taker`)
+    and this task stays parked in `readany()`, woken only for what the push declines."""
+    readany = uresp.readany
+    watch = StallWatch(guard)
+    now = guard.now
+    feed = parser.feed
+    deliver = acc.deliver
+    uresp.take(push_taker(uresp, parser, acc, lambda _: watch.arrived(now())))
     try:
         while True:
             watch.start(now())
             chunk = await readany()
             watch.reading = False
             if not chunk:
-                return
+                if uresp.at_eof():
+                    return
+                continue  # a nudge left over from the race for the first token
             watch.arrived(now())
             pieces = feed(chunk)
             if pieces and deliver(pieces):

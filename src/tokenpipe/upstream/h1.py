@@ -57,6 +57,7 @@ class UpstreamResponse:
         "_eof",
         "_error",
         "_fatal",
+        "_nudged",
         "_read_timeout",
         "_size",
         "_taker",
@@ -78,6 +79,7 @@ class UpstreamResponse:
         self._fatal: BaseException | None = None  # raised by the next read (set_exception)
         self._waiter: asyncio.Future[None] | None = None
         self._taker: Taker | None = None
+        self._nudged = False
         self._read_timeout = timeout
 
     @property
@@ -116,6 +118,13 @@ class UpstreamResponse:
         nothing is buffered: pieces reach the reader in the order they came."""
         self._taker = taker
 
+    def nudge(self) -> None:
+        """Makes the waiting `readany()`, or the next one, return once: with what is buffered
+        by then, or b"" before the end (tell them apart with `at_eof()`). A taker's way to
+        hand the reading back to the task parked in `readany()`."""
+        self._nudged = True
+        self._wake()
+
     def set_exception(self, error: BaseException) -> None:
         """Makes the next read raise `error` (a taker's failure, raised by the reader)."""
         self._fatal = error
@@ -125,15 +134,16 @@ class UpstreamResponse:
         return self._eof and not self._buffer
 
     async def readany(self) -> bytes:
-        """What is buffered (merged), waiting for some if nothing is; b"" at the end. Raises
-        aiohttp.ClientPayloadError if the connection broke before the body ended (after the
-        bytes that came before the break)."""
+        """What is buffered (merged), waiting for some if nothing is; b"" at the end (or when
+        nudged). Raises aiohttp.ClientPayloadError if the connection broke before the body
+        ended (after the bytes that came before the break)."""
+        nudged, self._nudged = self._nudged, False
         while not self._buffer:
             if self._fatal is not None:
                 raise self._fatal
             if self._error is not None:
                 raise self._error
-            if self._eof:
+            if self._eof or nudged:
                 return b""
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -144,6 +154,7 @@ class UpstreamResponse:
                         await self._waiter
             finally:
                 self._waiter = None
+            nudged, self._nudged = self._nudged, False
         if self._fatal is not None:
             raise self._fatal
         buffer = self._buffer
