@@ -739,9 +739,11 @@ class StallWatch:
         if self._handle is None:  # the first read, or the timer fired between reads
             self._arm()
 
-    def arrived(self, now: float) -> None:
+    def arrived(self, _pieces: object = None) -> None:
         """Bytes arrived: one gap in GAP_SAMPLE_EVERY goes to the estimate, and the deadline
-        runs from here (bytes pushed while the reader still waits count as a read too)."""
+        runs from here (bytes pushed while the reader still waits count as a read too). Takes
+        the pushed pieces, unused, so that it is the push path's `after` itself."""
+        now = self.guard.now()
         self.reads += 1
         if self.reads % GAP_SAMPLE_EVERY == 1:
             self.guard.gap(now - self.since)
@@ -819,7 +821,7 @@ async def _read_guarded(
     now = guard.now
     feed = parser.feed
     deliver = acc.deliver
-    uresp.take(push_taker(uresp, parser, acc, lambda _: watch.arrived(now())))
+    uresp.take(push_taker(uresp, parser, acc, watch.arrived))
     try:
         while True:
             watch.start(now())
@@ -829,7 +831,7 @@ async def _read_guarded(
                 if uresp.at_eof():
                     return
                 continue  # a nudge left over from the race for the first token
-            watch.arrived(now())
+            watch.arrived()
             pieces = feed(chunk)
             if pieces and deliver(pieces):
                 await acc.wait_below_low()
