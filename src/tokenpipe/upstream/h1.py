@@ -34,6 +34,8 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from tokenpipe.upstream.reuse import resendable, reusable
+
 #: Buffered body bytes above which the socket stops being read, and below which it resumes
 #: (aiohttp's StreamReader uses the same pair).
 HIGH_WATER = 128 * 1024
@@ -210,7 +212,11 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
+        self.peer_closed = False  # its FIN was seen: never reused
         self.idle_since = 0.0
+        self.fd = -1  # the socket polled before reuse (-1: TLS, whose records may be pending)
+        self.uses = 0  # requests sent on it
+        self.answered = False  # a byte of the current request's answer arrived
         self._paused = False
         self._head: asyncio.Future[UpstreamResponse] | None = None
         self._head_size = 0
@@ -223,6 +229,9 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("sslcontext") is None:
+            self.fd = sock.fileno()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -232,6 +241,7 @@ class Connection(asyncio.Protocol):
             self.abort()
 
     def eof_received(self) -> bool | None:
+        self.peer_closed = True
         return None  # close the transport: a half-closed upstream sends nothing more
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -247,6 +257,14 @@ class Connection(asyncio.Protocol):
             self._fail(aiohttp.ServerDisconnectedError("the upstream closed the connection"))
 
     # -- llhttp callbacks --------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._head is None:
+            # An answer with no request waiting (a second response, bytes after a complete
+            # one): what follows on this connection cannot be trusted. Parsing stops here and
+            # the connection is closed (data_received), never reused.
+            raise httptools.HttpParserError("a response with no request waiting")
+        self.answered = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_size += len(name) + len(value)
@@ -292,6 +310,8 @@ class Connection(asyncio.Protocol):
         self._head_size = 0
         self._headers = CIMultiDict()
         self._timeout = timeout
+        self.uses += 1
+        self.answered = False
         self.transport.write(data)
         return self._head
 
@@ -362,12 +382,26 @@ class Pool:
         # Requests waiting for a connection; bound: the requests in flight (admission's bound).
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._members: set[Connection] = set()
+        self.resent = 0  # requests sent again after a reused connection closed under them
 
     async def request(self, head: bytes, body: bytes, timeout: float | None) -> UpstreamResponse:
         """Sends `head` (the request line and headers, ending in a blank line) and `body` in
         one write; returns once the response head arrived (within `timeout` seconds if set).
-        A task cancelled while it waits closes the connection."""
+        A task cancelled while it waits closes the connection. A request that failed on a
+        reused connection before any byte of its answer is sent once more, on a fresh one
+        (upstream/reuse.py; `resent` counts them)."""
         conn = await self._acquire()
+        try:
+            return await self._exchange(conn, head, body, timeout)
+        except aiohttp.ServerDisconnectedError:
+            if not resendable(conn):
+                raise
+        self.resent += 1
+        return await self._exchange(await self._acquire(fresh=True), head, body, timeout)
+
+    async def _exchange(
+        self, conn: Connection, head: bytes, body: bytes, timeout: float | None
+    ) -> UpstreamResponse:
         try:
             head_future = conn.send(head + body if len(body) < 65536 else head, timeout)
             if len(body) >= 65536:
@@ -381,14 +415,19 @@ class Pool:
             conn.abort()
             raise
 
-    async def _acquire(self) -> Connection:
+    async def _acquire(self, fresh: bool = False) -> Connection:
+        """An idle connection that passes the check before reuse, else a new one once there
+        is room; `fresh`: always a new one (an idle one is closed if that makes the room)."""
         now = time.monotonic()
         while True:
-            while self._idle:
+            while self._idle and not fresh:
                 conn = self._idle.pop()
-                if not conn.lost and now - conn.idle_since < self.keepalive_s:
+                if reusable(conn, now, self.keepalive_s):
                     return conn
                 conn.abort()
+            if fresh and self._open >= self.limit and self._idle:
+                self._idle.pop(0).abort()  # the coldest one
+                continue
             if self._open < self.limit:
                 break
             waiter = asyncio.get_running_loop().create_future()
