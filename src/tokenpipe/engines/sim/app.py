@@ -165,8 +165,8 @@ class Sim:
         return await self._complete(request, "text")
 
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
-        body = await request.content.read(MAX_BODY + 1)
-        if len(body) > MAX_BODY:
+        body = await _read_body(request)
+        if body is None:
             return _error(413, "Request too large.")
         try:
             req = orjson.loads(body)
@@ -248,6 +248,12 @@ class Sim:
         except asyncio.CancelledError:
             self.finish(rec, "cancelled")
             raise
+        except ConnectionError:
+            # The client went away mid-answer (a hedge's loser, a closed tab): a write met the
+            # closing transport before aiohttp cancelled the handler. Counted, not a traceback;
+            # aiohttp ignores the failed end of the response quietly.
+            self.finish(rec, "cancelled")
+            return web.Response(status=499)
         finally:
             self.active -= 1
 
@@ -475,6 +481,19 @@ class Sim:
 
 async def _ok() -> web.Response:
     return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+
+async def _read_body(request: web.Request) -> bytes | None:
+    """The whole request body, however many reads it takes; None above MAX_BODY bytes (read
+    no further). One `content.read(n)` returns only what is buffered, not n bytes."""
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(MAX_BODY + 1 - size):
+        parts.append(chunk)
+        size += len(chunk)
+        if size > MAX_BODY:
+            return None
+    return b"".join(parts)
 
 
 def _peek(bucket: TokenBucket, n: float) -> float:

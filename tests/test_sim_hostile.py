@@ -1,0 +1,75 @@
+"""The sim (engines/sim/) against clients that tests and benchmarks are made of: a body that
+arrives in many reads, and clients that go away mid-answer (a hedge's loser)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import aiohttp
+import orjson
+
+from tests import procs
+
+
+def _post(body: bytes) -> bytes:
+    return b"POST /v1/chat/completions HTTP/1.1\r\nhost: sim\r\ncontent-length: %d\r\n\r\n" % len(
+        body
+    )
+
+
+async def test_a_body_larger_than_one_read_is_accepted(sim: procs.Service) -> None:
+    prompt = "word " * 60_000  # 300 KB
+    body = orjson.dumps(
+        {"model": "sim-model", "max_tokens": 3, "messages": [{"role": "user", "content": prompt}]}
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", sim.port)
+    try:
+        writer.write(_post(body))
+        for i in range(0, len(body), 30_000):  # a slow client: ten pieces, paced
+            writer.write(body[i : i + 30_000])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        answer = orjson.loads(await reader.readexactly(length))
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200"), answer
+    assert answer["usage"]["prompt_tokens"] >= 60_000
+
+
+async def _stats(url: str) -> dict[str, object]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/sim/stats?last=0") as r:
+        data: dict[str, object] = await r.json()
+        return data
+
+
+async def test_clients_that_go_away_mid_stream_leave_no_traceback() -> None:
+    n = 30
+    with procs.sim("--ttft-ms", "0") as s:
+        for i in range(n):
+            itl = (0, 1, 5)[i % 3]  # big writes, and writes paced by tokens
+            body = orjson.dumps(
+                {
+                    "model": "sim-model",
+                    "stream": True,
+                    "max_tokens": 3000,
+                    "messages": [{"role": "user", "content": f"[[sim itl_ms={itl}]] x"}],
+                }
+            )
+            sock = socket.create_connection(("127.0.0.1", s.port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(_post(body) + body)
+            sock.settimeout(10)
+            assert sock.recv(300)  # the stream began
+            if i % 2:  # half with a reset (a cancelled hedge), half with a FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        async with asyncio.timeout(10):
+            while (stats := await _stats(s.url))["active"] or stats["requests"] != n:
+                await asyncio.sleep(0.05)
+    assert stats["outcomes"] == {"cancelled": n}
+    out = s.output()
+    assert "Traceback" not in out and "ClientConnectionResetError" not in out, out[-2000:]
