@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenpipe.control.quantiles import RollingQuantiles
+from tokenpipe.errors import GatewayError
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,3 +25,32 @@ class AdaptiveDeadline:
         if q is None:
             return self.initial
         return min(self.ceiling, max(self.floor, self.k * q))
+
+
+#: Client header asking for a shorter whole-request deadline (seconds).
+DEADLINE_HEADER = "x-tokenpipe-deadline-seconds"
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """The whole-request deadline: when (`at`, on the tail clock), how long it was (`seconds`)
+    and whose it is. `client`: the client's header set it (the gateway's `tail.total_seconds`
+    was longer or unset). A request cut by the client's own deadline is not evidence
+    against the upstream: no breaker failure, no concurrency drop, no latency sample."""
+
+    at: float
+    seconds: float
+    client: bool
+
+    def name(self) -> str:
+        if self.client:
+            return f"the client's deadline of {self.seconds:.3g} s ({DEADLINE_HEADER})"
+        return f"the gateway's total deadline of {self.seconds:.3g} s (tail.total_seconds)"
+
+    def error(self, before_first_token: bool) -> GatewayError:
+        when = "before the first token" if before_first_token else "mid-stream"
+        return GatewayError(
+            504,
+            f"{self.name()} passed {when}",
+            code="deadline_exceeded" if self.client else "upstream_timeout",
+        )
