@@ -291,7 +291,7 @@ class TailControl:
                     await self._first_token(a, resp)
                 a.first_at = self.clock.now()
         except TimeoutError:
-            if end is not None and self.clock.now() >= end.at:  # the whole-request deadline
+            if end is not None and end.passed(self.clock.now()):  # the whole-request deadline
                 a.error, a.reason = end.error(True), "deadline"
                 if end.client:  # the client's own bound: nothing learned about the upstream
                     a.discard(None)
@@ -867,12 +867,12 @@ class StreamGuard:
         """The client's own deadline has passed (what ended the stream is not evidence
         against the upstream)."""
         end = self.end
-        return end is not None and end.client and self.now() >= end.at
+        return end is not None and end.client and end.passed(self.now())
 
     def stall_error(self) -> GatewayError:
         """The error for a read that timed out: the bound that was hit (the relay's)."""
         end = self.end
-        if end is not None and self.now() >= end.at:
+        if end is not None and end.passed(self.now()):
             return end.error(False)
         cap = self.upstream.settings.read_timeout_seconds
         if self.stall is not None and self.stall < cap:

@@ -143,7 +143,8 @@ class Limiter:
             else:
                 waiter.future.cancel()
                 raise self._too_busy(
-                    f"no capacity within the {deadline:.3g} s this request could wait"
+                    f"no capacity within the {deadline:.3g} s this request could wait",
+                    waited=deadline,
                 ) from None
         except BaseException:
             if waiter.future.done() and not waiter.future.cancelled():
@@ -287,9 +288,9 @@ class Limiter:
 
     # -- the 429 we send when waiting would take too long ----------------------------------
 
-    def _too_busy(self, why: str) -> GatewayError:
+    def _too_busy(self, why: str, waited: float = 0.0) -> GatewayError:
         headers = rate_headers(self.limits, self._last)
-        retry = self.expected_wait()
+        retry = self.expected_wait(waited)
         return GatewayError(
             429,
             f"Upstream '{self.name}' is at capacity ({why}; {self._waiting} requests waiting). "
@@ -299,16 +300,18 @@ class Limiter:
             retry_after=retry,
         )
 
-    def expected_wait(self) -> float:
+    def expected_wait(self, waited: float = 0.0) -> float:
         """Seconds until a request joining the queue now would likely be served: the longest
-        of what the rate limit, the concurrency limit (permits held `_held` s on average)
-        and the store's last answer say; at least DEFAULT_RETRY, at most MAX_RETRY_AFTER."""
+        of what the rate limit, the concurrency limit (permits held `_held` s on average, or
+        at least `waited`: no permit came back while a request waited that long) and the
+        store's last answer say; at least DEFAULT_RETRY, at most MAX_RETRY_AFTER."""
         ahead = self._waiting + 1
         retry = DEFAULT_RETRY
         if self.limits.requests is not None and self.limits.requests.rate > 0:
             retry = max(retry, ahead / self.limits.requests.rate)
         if self.concurrency is not None and self.inflight >= int(self.concurrency.limit):
-            retry = max(retry, ahead * self._held / max(1, int(self.concurrency.limit)))
+            held = max(self._held, waited)
+            retry = max(retry, ahead * held / max(1, int(self.concurrency.limit)))
         if self._last is not None:
             retry = max(retry, self._last.wait)
         return min(MAX_RETRY_AFTER, retry)
