@@ -654,7 +654,11 @@ class StreamGuard:
                     if a.ok and a.resp is not None and a.resp.status == 200:
                         metrics.child(metrics.HEDGES, "won").inc()
                         if primary is not None:
-                            await _cancel(primary)
+                            try:
+                                await _cancel(primary)
+                            except BaseException:  # the client left meanwhile
+                                a.discard(None)
+                                raise
                             primary = None
                             # Censored: its TTFT is longer than we saw (see hedge_delay).
                             tail.censored(self.upstream.name, self.model, self.cls)
@@ -711,8 +715,12 @@ class StreamGuard:
             left = [t for t in (primary, hedge) if t is not None]
             for t in left:
                 t.cancel()
-            for t in left:
-                await _cancel(t)
+            try:
+                for t in left:
+                    await _cancel(t)
+            finally:
+                if hedge is not None:
+                    _drop_unused(hedge, self.responses)
 
     def _primary_won(
         self, uresp: UpstreamResponse, hedge: asyncio.Task[Attempt] | None
@@ -1035,6 +1043,16 @@ def _broke() -> GatewayError:
     return GatewayError(
         502, "the upstream connection broke before the first token", code="upstream_unavailable"
     )
+
+
+def _drop_unused(task: asyncio.Task[Attempt], used: list[UpstreamResponse]) -> None:
+    """A hedge that finished in the same step as the primary won (or as we were cancelled)
+    holds an open response nobody reads: closed here, else it streams on upstream."""
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return
+    a = task.result()
+    if a.resp is not None and a.resp not in used:
+        a.discard(None)
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:
