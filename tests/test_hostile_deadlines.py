@@ -295,9 +295,9 @@ async def _client_that_leaves(port: int, rng: random.Random, started: list[int])
 
 
 async def test_every_client_disconnect_closes_its_upstream_stream(tmp_path: Path) -> None:
-    """300 clients leave at random points (before the headers, in the role chunk, mid-stream)
-    of streams the sim would send for 8 s; within 3 s of the last one leaving no upstream
-    stream is open at the sim."""
+    """1,000 clients (TP_N_CLIENTS) leave at random points (before the headers, in the role
+    chunk, mid-stream; by FIN or RST) of streams the sim would send for 8 s, hedged: within
+    3 s of the last one leaving no upstream stream is open at the sim."""
     extra = """tail:
   hedging: {budget_ratio: 0.5, initial_delay_seconds: 0.01, min_delay_seconds: 0.01}
 """
@@ -327,15 +327,96 @@ async def test_every_client_disconnect_closes_its_upstream_stream(tmp_path: Path
             raise AssertionError(
                 f"the sim has {stats['active']} streams open ({len(running)} records not ended,"
                 f" first: {running[:3]}); gateway: {inflight}"
-            )
+            ) from None
         finally:
             took = time.monotonic() - left_at
         assert started[0] > 100
         assert took < 3, took
 
 
-N_CLIENTS = int(__import__("os").environ.get("TP_N_CLIENTS", "300"))
+N_CLIENTS = int(__import__("os").environ.get("TP_N_CLIENTS", "1000"))
 
 
 async def _active_is_zero(sim: procs.Service) -> bool:
     return await _sim_active(sim) == 0
+
+
+@asynccontextmanager
+async def _twin_upstream() -> AsyncIterator[tuple[str, list[int]]]:
+    """Holds the first token of the first request until a second (the hedge) arrives, then
+    sends both their first tokens at once, then streams on slowly for 10 s. `open[0]`:
+    responses whose client is still reading."""
+    second = asyncio.Event()
+    n = 0
+    open_ = [0]
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        nonlocal n
+        await request.read()
+        n += 1
+        if n >= 2:
+            second.set()
+        head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "sim-model"}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        open_[0] += 1
+        try:
+            role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
+            await resp.write(b"data: " + orjson.dumps({**head, "choices": [role]}) + b"\n\n")
+            await second.wait()
+            for i in range(200):
+                delta = {"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": None}
+                await resp.write(b"data: " + orjson.dumps({**head, "choices": [delta]}) + b"\n\n")
+                await asyncio.sleep(0.05)
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            open_[0] -= 1
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", open_
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_hedge_answering_with_the_primary_is_closed_when_the_client_leaves(
+    tmp_path: Path,
+) -> None:
+    """Primary and hedge bring their first token in the same loop step: the primary wins,
+    and the hedge's response must be closed (before: it streamed on upstream, unread)."""
+    extra = """tail:
+  hedging: {budget_ratio: 1.0, initial_delay_seconds: 0.05, min_delay_seconds: 0.01}
+"""
+    async with _twin_upstream() as (url, open_):
+        with procs.gateway("--config", _config(tmp_path, url, extra)) as gw:
+            got: list[dict[str, Any]] = []
+
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(gw.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r,
+            ):
+                assert r.status == 200
+                async for line in r.content:
+                    if b'"content"' in line:
+                        got.append(orjson.loads(line[5:]))
+                        if len(got) >= 3:
+                            break  # the client leaves mid-stream
+
+            async def closed() -> bool:
+                return open_[0] == 0
+
+            await _until(closed, 2, "both upstream responses to close")
+            m = await _metrics(gw)
+    assert (
+        m.get('tokenpipe_hedges_total{outcome="lost"}', 0)
+        + m.get('tokenpipe_hedges_total{outcome="won"}', 0)
+        >= 1
+    ), {k: v for k, v in m.items() if "hedge" in k}
