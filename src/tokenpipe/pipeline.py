@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from tokenpipe import usage as usage_mod
 from tokenpipe.context.budget import ContextBudget, ContextOutcome
 from tokenpipe.control.traffic import Ticket, TrafficControl
 from tokenpipe.front import schema
@@ -88,26 +89,42 @@ class Gateway:
         stream = bool(req.stream)
         try:
             # Deadlines, retries, hedging, fallbacks, circuit breaking (tail.py).
-            upstream, uresp, sent_at, end_at = await self.tail.open(
+            upstream, uresp, sent_at, end = await self.tail.open(
                 req.model, path, body, request_id, ticket, stream=stream, headers=headers
             )
         except BaseException:
             ticket.finish()
             raise
-        guard = None
-        if stream and uresp.status == 200:
-            guard = StreamGuard(
-                self.tail, upstream, req.model, path, body, obj, request_id, ticket, sent_at, end_at
+        try:
+            guard = None
+            if stream and uresp.status == 200:
+                guard = StreamGuard(
+                    self.tail,
+                    upstream,
+                    req.model,
+                    path,
+                    body,
+                    obj,
+                    request_id,
+                    ticket,
+                    sent_at,
+                    end,
+                )
+            return Call(
+                upstream,
+                uresp,
+                StreamTally(upstream.name, req.model, started),
+                ticket,
+                ctx,
+                strip_usage,
+                guard,
             )
-        return Call(
-            upstream,
-            uresp,
-            StreamTally(upstream.name, req.model, started),
-            ticket,
-            ctx,
-            strip_usage,
-            guard,
-        )
+        except BaseException:  # no Call to close it: the response and ticket end here
+            try:
+                uresp.close()
+            finally:
+                ticket.finish()
+            raise
 
 
 class Call:
@@ -138,14 +155,36 @@ class Call:
         self.gauge.inc()
 
     def close(self, status: int) -> None:
-        self.uresp.close()  # at once: a client that went away must not keep the upstream busy
-        if self.guard is not None:
-            self.guard.close()  # continuation responses, if any
-        self.gauge.dec()
+        """Releases everything, whatever a step raises: one `finally` per resource (a step
+        that raised must not leave the limiter permit or the key's slot taken for good).
+        The first error is raised after all steps ran."""
         tally = self.tally
-        tally.finish(status)
-        self.ticket.finish(tally.usage, status)
-        self.ctx.observe(tally.usage)
+        try:
+            self.uresp.close()  # at once: a client that went away must not keep it busy
+        finally:
+            try:
+                if self.guard is not None:
+                    self.guard.close()  # hedge, retry and continuation responses, if any
+            finally:
+                try:
+                    self.gauge.dec()
+                finally:
+                    # Upstream values are checked before anything counts them (usage.py).
+                    tally.usage = usage_mod.clean(tally.usage, self.upstream.name)
+                    try:
+                        tally.finish(status)
+                    finally:
+                        try:
+                            self.ticket.finish(tally.usage, self._ticket_status(status))
+                        finally:
+                            self.ctx.observe(tally.usage)
+
+    def _ticket_status(self, status: int) -> int | None:
+        """What the limiter learns from: a stream cut by the client's own deadline says
+        nothing about the upstream (no AIMD drop)."""
+        if self.guard is not None and self.guard.client_expired():
+            return None
+        return status
 
 
 def now() -> float:

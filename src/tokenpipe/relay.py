@@ -693,6 +693,8 @@ async def _read_one(
     except sse.SSEProtocolError as e:
         return GatewayError(502, str(e), code="upstream_protocol_error"), uresp
     except TimeoutError:
+        if guard is not None:  # names the bound hit: stall, read timeout or a deadline
+            return guard.stall_error(), uresp
         return GatewayError(504, "the upstream stopped sending", code="upstream_timeout"), uresp
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
         if acc.write_error is not None:

@@ -40,7 +40,7 @@ from tokenpipe import sse
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control.breaker import CircuitBreaker, State
 from tokenpipe.control.budget import RatioBudget, backoff
-from tokenpipe.control.deadline import AdaptiveDeadline
+from tokenpipe.control.deadline import DEADLINE_HEADER, AdaptiveDeadline, End
 from tokenpipe.control.quantiles import RollingQuantiles
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.errors import GatewayError
@@ -56,8 +56,7 @@ log = logging.getLogger("tokenpipe.tail")
 #: Bytes an attempt may read before its first content token (role chunks, comments); past
 #: it the attempt counts as answered and the relay takes over (bounds the prefix buffer).
 PREFIX_LIMIT = 64 * 1024
-#: Client header asking for a shorter whole-request deadline (seconds).
-DEADLINE_HEADER = "x-tokenpipe-deadline-seconds"
+__all__ = ["DEADLINE_HEADER", "StreamGuard", "TailControl"]
 #: Estimators kept; the least recently created is dropped past this (bounds memory when
 #: clients send many model names).
 MAX_ESTIMATORS = 4096
@@ -115,7 +114,7 @@ class Attempt:
         """Answered: a first token, a 200, or a status that retrying would not change."""
         return self.error is None and self.fatal is None and not self.reason
 
-    def discard(self, status: int) -> None:
+    def discard(self, status: int | None) -> None:
         """This attempt will not be used: close its response and release its permit."""
         if self.resp is not None:
             self.resp.close()
@@ -257,6 +256,7 @@ class TailControl:
         stream: bool,
         deadline: float | None,
         streamed: bool = False,
+        end: End | None = None,
     ) -> Attempt:
         """Sends and waits for the first token (`stream`) or the headers. `streamed`: the
         response is a stream even if its first token is not awaited here. Never raises except on
@@ -291,13 +291,20 @@ class TailControl:
                     await self._first_token(a, resp)
                 a.first_at = self.clock.now()
         except TimeoutError:
-            within = f" within {deadline:.3g} s" if deadline is not None else " in time"
-            a.error = GatewayError(
-                504,
-                f"Upstream '{a.upstream.name}' sent no first token{within}.",
-                code="upstream_timeout",
-            )
-            a.reason = "ttft_deadline"
+            if end is not None and end.passed(self.clock.now()):  # the whole-request deadline
+                a.error, a.reason = end.error(True), "deadline"
+                if end.client:  # the client's own bound: nothing learned about the upstream
+                    a.discard(None)
+                    return a
+            else:
+                within = f" within {deadline:.3g} s" if deadline is not None else " in time"
+                what = "first token" if streamed else "answer"
+                a.error = GatewayError(
+                    504,
+                    f"Upstream '{a.upstream.name}' sent no {what}{within}.",
+                    code="upstream_timeout",
+                )
+                a.reason = "ttft_deadline"
             a.discard(504)
             self._unhealthy(a.upstream.name)
             return a
@@ -310,7 +317,7 @@ class TailControl:
             self._unhealthy(a.upstream.name)
             return a
         except asyncio.CancelledError:
-            a.discard(499)
+            a.discard(None)  # the client left (or a hedge lost): not the upstream's doing
             raise
         self._healthy(a.upstream.name)
         return a
@@ -352,7 +359,7 @@ class TailControl:
         *,
         stream: bool,
         headers: Mapping[str, str] | None = None,
-    ) -> tuple[HttpUpstream, UpstreamResponse, float, float | None]:
+    ) -> tuple[HttpUpstream, UpstreamResponse, float, End | None]:
         """Sends the request, retrying and falling back on connect errors, 5xx and 429; returns
         (upstream, response with its headers, when it was sent, end of the whole-request
         deadline or None; both on this clock). The response is any status a retry would not
@@ -361,52 +368,73 @@ class TailControl:
         order = self._ordered(await self.router.candidates(model), model)
         self.retry_budget.request()
         self.hedge_budget.request()
-        end_at = self._end_at(headers)
+        end = self._end(headers)
+        end_at = None if end is None else end.at
         cls = prompt_class(ticket.cost.prompt)
         retries = self.settings.retries
         attempt_no = 0
         avoid: str | None = None
         last: Attempt | None = None
-        while True:
-            upstream = self._pick(order, avoid)
-            if upstream is None:  # no candidates (router.candidates raises 404 first)
-                break
-            if last is not None:
-                last.discard(last.resp.status if last.resp is not None else 502)
-            attempt_no += 1
-            # The TTFT deadline covers the headers too (some upstreams send them with the
-            # first token); the relay's reader enforces the rest of it (StreamGuard).
-            deadline = self.ttft_deadline(upstream.name, model, cls) if stream else None
-            if end_at is not None:
-                left = max(0.0, end_at - self.clock.now())
-                deadline = left if deadline is None else min(deadline, left)
-            a = await self._attempt(
-                Attempt(upstream, ticket), path, body, request_id, False, deadline, streamed=stream
-            )
-            if a.fatal is not None:
-                raise a.fatal
-            if a.ok:
-                assert a.resp is not None
-                return a.upstream, a.resp, a.sent_at or self.clock.now(), end_at
-            last = a
-            if (
-                a.reason == "status_429"
-                and len(order) == 1
-                and a.resp is not None
-                and _retry_after(a.resp.headers) > retries.max_429_wait_seconds
-            ):
-                break  # the only upstream asks for a long pause: the client decides
-            if not self._may_retry(attempt_no, end_at, last.reason):
-                break
-            avoid = last.upstream.name
-            if len(order) == 1:  # the same upstream again: back off first
-                await asyncio.sleep(
-                    backoff(attempt_no, retries.backoff_base_seconds, retries.backoff_cap_seconds)
+        try:
+            while True:
+                upstream = self._pick(order, avoid)
+                if upstream is None:  # no candidates (router.candidates raises 404 first)
+                    break
+                if last is not None:
+                    old: Attempt = last
+                    last = None
+                    old.discard(old.resp.status if old.resp is not None else 502)
+                attempt_no += 1
+                # The TTFT deadline covers the headers too (some upstreams send them with
+                # the first token); the relay's reader enforces the rest (StreamGuard).
+                deadline = self.ttft_deadline(upstream.name, model, cls) if stream else None
+                if end_at is not None:
+                    left = max(0.0, end_at - self.clock.now())
+                    deadline = left if deadline is None else min(deadline, left)
+                a = await self._attempt(
+                    Attempt(upstream, ticket),
+                    path,
+                    body,
+                    request_id,
+                    False,
+                    deadline,
+                    streamed=stream,
+                    end=end,
                 )
+                if a.fatal is not None:
+                    raise a.fatal
+                if a.ok:
+                    assert a.resp is not None
+                    return a.upstream, a.resp, a.sent_at or self.clock.now(), end
+                last = a
+                if a.reason == "deadline":
+                    break  # the whole-request deadline passed: no time for another
+                if (
+                    a.reason == "status_429"
+                    and len(order) == 1
+                    and a.resp is not None
+                    and _retry_after(a.resp.headers) > retries.max_429_wait_seconds
+                ):
+                    break  # the only upstream asks for a long pause: the client decides
+                if not self._may_retry(attempt_no, end_at, last.reason):
+                    break
+                avoid = last.upstream.name
+                if len(order) == 1:  # the same upstream again: back off first
+                    await asyncio.sleep(
+                        backoff(
+                            attempt_no, retries.backoff_base_seconds, retries.backoff_cap_seconds
+                        )
+                    )
+        except BaseException:
+            # Cancelled (the client left) while backing off or in the next attempt: the
+            # failed answer kept for the client must not stay open upstream.
+            if last is not None:
+                last.discard(None)
+            raise
         # Out of attempts: the client gets the last failure as it was.
         assert last is not None
         if last.resp is not None:
-            return last.upstream, last.resp, last.sent_at or self.clock.now(), end_at
+            return last.upstream, last.resp, last.sent_at or self.clock.now(), end
         assert last.error is not None
         raise last.error
 
@@ -423,8 +451,11 @@ class TailControl:
         metrics.RETRIES.labels(reason, "retried").inc()
         return True
 
-    def _end_at(self, headers: Mapping[str, str] | None) -> float | None:
+    def _end(self, headers: Mapping[str, str] | None) -> End | None:
+        """The whole-request deadline: the gateway's `total_seconds` or the client's
+        header, whichever is shorter (a header value <= 0 or non-finite is ignored)."""
         total = self.settings.total_seconds
+        client = False
         if headers is not None:
             raw = headers.get(DEADLINE_HEADER)
             if raw is not None:
@@ -437,9 +468,11 @@ class TailControl:
                         param=DEADLINE_HEADER,
                         code="invalid_request",
                     ) from None
-                if asked > 0:
-                    total = asked if total is None else min(total, asked)
-        return None if total is None else self.clock.now() + total
+                if asked > 0 and math.isfinite(asked) and (total is None or asked < total):
+                    total, client = asked, True
+        if total is None:
+            return None
+        return End(self.clock.now() + total, total, client)
 
 
 def continuable(path: str, obj: dict[str, Any]) -> bool:
@@ -491,6 +524,7 @@ class StreamGuard:
         "body",
         "cls",
         "continuations",
+        "end",
         "end_at",
         "model",
         "now",
@@ -517,7 +551,7 @@ class StreamGuard:
         request_id: str,
         ticket: Ticket,
         sent_at: float,
-        end_at: float | None,
+        end: End | None,
     ) -> None:
         self._tail = tail
         self.upstream = upstream
@@ -528,7 +562,8 @@ class StreamGuard:
         self.request_id = request_id
         self.ticket = ticket
         self.sent_at = sent_at
-        self.end_at = end_at
+        self.end = end  # the whole-request deadline, None: none
+        self.end_at = None if end is None else end.at
         self.cls = prompt_class(ticket.cost.prompt)
         self.stall = tail.stall_deadline(upstream.name, model)  # seconds, None: off
         self.continuations = 0
@@ -558,12 +593,17 @@ class StreamGuard:
         hedging = tail.settings.hedging
         now = tail.clock.now()
         ttft = tail.ttft_deadline(self.upstream.name, self.model, self.cls)
-        # The upstream's fixed read timeout bounds the wait whatever the adaptive deadline.
-        ttft_end = self.sent_at + self.upstream.settings.read_timeout_seconds
-        if ttft is not None:
-            ttft_end = min(ttft_end, self.sent_at + ttft)
-        if self.end_at is not None:
-            ttft_end = min(ttft_end, self.end_at)
+        # The upstream's fixed read timeout bounds the wait whatever the adaptive deadline;
+        # the error names the bound that is hit first.
+        read_cap = self.upstream.settings.read_timeout_seconds
+        ttft_end = self.sent_at + read_cap
+        late = _late(read_cap, "the upstream's read timeout")
+        if ttft is not None and self.sent_at + ttft < ttft_end:
+            ttft_end, late = self.sent_at + ttft, _late(ttft, "the TTFT deadline")
+        end = self.end
+        if end is not None and end.at <= ttft_end:
+            ttft_end, late = end.at, end.error(True)
+        client_bound = end is not None and end.client and ttft_end == end.at
         hedge_at = None
         if hedging.enabled:
             hedge_at = self.sent_at + tail.hedge_delay(self.upstream.name, self.model, self.cls)
@@ -590,7 +630,7 @@ class StreamGuard:
             while True:
                 waiting: set[asyncio.Task[Any]] = {t for t in (primary, hedge) if t is not None}
                 if not waiting:
-                    return await self._retry(uresp, parser, acc, "ttft_deadline", _late(ttft))
+                    return await self._retry(uresp, parser, acc, "ttft_deadline", late)
                 now = tail.clock.now()
                 due = ttft_end if hedge_at is None else min(hedge_at, ttft_end)
                 done, _ = await asyncio.wait(
@@ -614,7 +654,11 @@ class StreamGuard:
                     if a.ok and a.resp is not None and a.resp.status == 200:
                         metrics.child(metrics.HEDGES, "won").inc()
                         if primary is not None:
-                            await _cancel(primary)
+                            try:
+                                await _cancel(primary)
+                            except BaseException:  # the client left meanwhile
+                                a.discard(None)
+                                raise
                             primary = None
                             # Censored: its TTFT is longer than we saw (see hedge_delay).
                             tail.censored(self.upstream.name, self.model, self.cls)
@@ -630,6 +674,14 @@ class StreamGuard:
                     continue
                 if done:
                     continue
+                if now >= ttft_end and client_bound:
+                    # The client's own deadline: the upstream is not to blame (no breaker
+                    # failure, no concurrency drop, no censored TTFT) and no time is left.
+                    for t in (primary, hedge):
+                        if t is not None:
+                            t.cancel()
+                    self.ticket.failed(None)
+                    raise late
                 if now >= ttft_end:
                     # No content from anyone in time: close all, then retry.
                     if primary is not None:
@@ -641,7 +693,7 @@ class StreamGuard:
                         await _cancel(hedge)
                         hedge = None
                     tail._unhealthy(self.upstream.name)
-                    return await self._retry(uresp, parser, acc, "ttft_deadline", _late(ttft))
+                    return await self._retry(uresp, parser, acc, "ttft_deadline", late)
                 if hedge_at is not None and now >= hedge_at:
                     hedge_at = None
                     attempt = await self._hedge()
@@ -654,13 +706,21 @@ class StreamGuard:
                                 self.request_id,
                                 True,
                                 max(0.001, ttft_end - now),
+                                end=self.end,
                             )
                         )
         finally:
-            # Whatever happens (our own cancellation included), no attempt outlives this.
-            for t in (primary, hedge):
-                if t is not None:
+            # Whatever happens (our own cancellation included), no attempt outlives this:
+            # all are cancelled before any is awaited.
+            left = [t for t in (primary, hedge) if t is not None]
+            for t in left:
+                t.cancel()
+            try:
+                for t in left:
                     await _cancel(t)
+            finally:
+                if hedge is not None:
+                    _drop_unused(hedge, self.responses)
 
     def _primary_won(
         self, uresp: UpstreamResponse, hedge: asyncio.Task[Attempt] | None
@@ -740,11 +800,14 @@ class StreamGuard:
                 self.request_id,
                 True,
                 deadline,
+                end=self.end,
             )
             if a.ok and a.resp is not None and a.resp.status == 200:
                 return self._switch(a, old, parser, acc)
             if a.fatal is not None:
                 raise a.fatal
+            if a.reason == "deadline" and a.error is not None:
+                raise a.error  # the whole-request deadline passed: no time for another
             if a.error is not None:
                 error = a.error
             elif a.resp is not None:
@@ -808,6 +871,26 @@ class StreamGuard:
     def gap(self, seconds: float) -> None:
         self._tail.gap_estimate(self.upstream.name, self.model).add(seconds)
 
+    def client_expired(self) -> bool:
+        """The client's own deadline has passed (what ended the stream is not evidence
+        against the upstream)."""
+        end = self.end
+        return end is not None and end.client and end.passed(self.now())
+
+    def stall_error(self) -> GatewayError:
+        """The error for a read that timed out: the bound that was hit (the relay's)."""
+        end = self.end
+        if end is not None and end.passed(self.now()):
+            return end.error(False)
+        cap = self.upstream.settings.read_timeout_seconds
+        if self.stall is not None and self.stall < cap:
+            bound = f"the stall deadline of {self.stall:.3g} s"
+        else:
+            bound = f"the upstream's read timeout of {cap:.3g} s"
+        return GatewayError(
+            504, f"the upstream stopped sending (no bytes within {bound})", code="upstream_timeout"
+        )
+
     async def resume(
         self,
         error: GatewayError,
@@ -818,6 +901,8 @@ class StreamGuard:
         """Continues a cut text completion on a healthy upstream; None when it cannot (the
         relay then ends the stream with an error event that counts what was delivered)."""
         tail = self._tail
+        if self.client_expired():
+            return None  # the client's own deadline cut it: not the upstream's failure
         tail._unhealthy(self.upstream.name)
         texts = parser.texts()
         rec = tail.settings.recovery
@@ -837,6 +922,9 @@ class StreamGuard:
             if target is None:
                 return None
             deadline = tail.ttft_deadline(target.name, self.model, self.cls)
+            if self.end_at is not None:  # a continuation too ends with the request
+                left = max(0.001, self.end_at - tail.clock.now())
+                deadline = left if deadline is None else min(deadline, left)
             a = await tail._attempt(
                 Attempt(target, self._side_ticket()),
                 self.path,
@@ -844,6 +932,7 @@ class StreamGuard:
                 self.request_id,
                 True,
                 deadline,
+                end=self.end,
             )
             if a.ok and a.resp is not None and a.resp.status == 200:
                 metrics.RETRIES.labels("midstream", "retried").inc()
@@ -877,10 +966,16 @@ class StreamGuard:
         return orjson.dumps(obj)
 
     def close(self) -> None:
-        for r in self.responses:
-            r.close()
-        for t in self._side:
-            t.finish()
+        """Closes every extra response and finishes every side ticket, whatever one of them
+        raises (the first error is raised at the end)."""
+        first: BaseException | None = None
+        for step in [r.close for r in self.responses] + [t.finish for t in self._side]:
+            try:
+                step()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
 
 async def _until_content(uresp: UpstreamResponse, parser: EventParser, acc: Accumulator) -> None:
@@ -936,10 +1031,10 @@ def _retry_after(headers: Mapping[str, str]) -> float:
     return 0.0
 
 
-def _late(ttft: float | None) -> GatewayError:
+def _late(seconds: float, bound: str) -> GatewayError:
     return GatewayError(
         504,
-        f"no first token from the upstream within {ttft or 0:.3g} s",
+        f"no first token from the upstream within {bound} of {seconds:.3g} s",
         code="upstream_timeout",
     )
 
@@ -950,9 +1045,28 @@ def _broke() -> GatewayError:
     )
 
 
+def _drop_unused(task: asyncio.Task[Attempt], used: list[UpstreamResponse]) -> None:
+    """A hedge that finished in the same step as the primary won (or as we were cancelled)
+    holds an open response nobody reads: closed here, else it streams on upstream."""
+    if not task.done() or task.cancelled() or task.exception() is not None:
+        return
+    a = task.result()
+    if a.resp is not None and a.resp not in used:
+        a.discard(None)
+
+
 async def _cancel(task: asyncio.Task[Any]) -> None:
+    """Cancels `task` and waits for it. A cancellation of the caller itself (the client
+    left while we waited) is not swallowed: it is raised once the task is done."""
     task.cancel()
     try:
-        await task
-    except (asyncio.CancelledError, Exception):
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():  # the caller was cancelled, not the task: finish it, then go
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+            raise
+    except Exception:
         pass  # its outcome no longer matters (it closed what it opened)

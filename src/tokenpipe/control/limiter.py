@@ -35,6 +35,8 @@ log = logging.getLogger("tokenpipe.limiter")
 DROP_STATUSES = frozenset({429, 503, 504})
 #: Pause after a 429 that named no retry time (seconds).
 DEFAULT_RETRY = 1.0
+#: Longest Retry-After we tell a client (seconds): an estimate beyond it is not worth more.
+MAX_RETRY_AFTER = 600.0
 #: Safety margins under learned levels: requests, and a share of the token bucket's depth.
 REQUEST_MARGIN = 0.5
 TOKEN_MARGIN = 0.002
@@ -89,6 +91,9 @@ class Limiter:
         self.max_waiting = max_waiting
         self.wall = wall
         self.inflight = 0
+        #: Seconds a permit is held, smoothed (EWMA, 0.2 per release): with the concurrency
+        #: limit and the queue it gives the expected wait a 429 tells the client.
+        self._held = 0.0
         self._sleep = sleep or self._nap
         self._wake = asyncio.Event()
         self._queues: dict[str, deque[_Waiter]] = {}
@@ -137,7 +142,10 @@ class Limiter:
                 permit = waiter.future.result()  # granted as the deadline struck: keep it
             else:
                 waiter.future.cancel()
-                raise self._too_busy(f"no capacity within {deadline:g} s") from None
+                raise self._too_busy(
+                    f"no capacity within the {deadline:.3g} s this request could wait",
+                    waited=deadline,
+                ) from None
         except BaseException:
             if waiter.future.done() and not waiter.future.cancelled():
                 self.release(waiter.future.result(), status=None, sent=False)
@@ -263,33 +271,50 @@ class Limiter:
         if permit.released:
             return
         permit.released = True
-        self.inflight -= 1
-        if not sent:
-            self.store.give(self.scope, self.limits, 1.0, permit.tokens)
-        elif charged_tokens is not None and charged_tokens != permit.tokens:
-            self.store.give(self.scope, self.limits, 0.0, permit.tokens - charged_tokens)
-        if self.concurrency is not None and status is not None:
-            dropped = status in DROP_STATUSES
-            if dropped or not permit.grew:
-                self.concurrency.sample(permit.inflight_at_start, dropped)
-                self._m_conc.set(self.concurrency.limit)
-        self._wake.set()
+        self.inflight -= 1  # first: the slot comes back whatever the bookkeeping below does
+        self._held = 0.8 * self._held + 0.2 * max(0.0, self.clock.now() - permit.granted_at)
+        try:
+            if not sent:
+                self.store.give(self.scope, self.limits, 1.0, permit.tokens)
+            elif charged_tokens is not None and charged_tokens != permit.tokens:
+                self.store.give(self.scope, self.limits, 0.0, permit.tokens - charged_tokens)
+            if self.concurrency is not None and status is not None:
+                dropped = status in DROP_STATUSES
+                if dropped or not permit.grew:
+                    self.concurrency.sample(permit.inflight_at_start, dropped)
+                    self._m_conc.set(self.concurrency.limit)
+        finally:
+            self._wake.set()
 
     # -- the 429 we send when waiting would take too long ----------------------------------
 
-    def _too_busy(self, why: str) -> GatewayError:
+    def _too_busy(self, why: str, waited: float = 0.0) -> GatewayError:
         headers = rate_headers(self.limits, self._last)
-        retry = DEFAULT_RETRY
-        if self.limits.requests is not None and self.limits.requests.rate > 0:
-            retry = max(retry, (self._waiting + 1) / self.limits.requests.rate)
+        retry = self.expected_wait(waited)
         return GatewayError(
             429,
-            f"Upstream '{self.name}' is at its rate limit ({why}). Please retry after "
-            f"{math.ceil(retry)} s.",
+            f"Upstream '{self.name}' is at capacity ({why}; {self._waiting} requests waiting). "
+            f"Please retry after {math.ceil(retry)} s.",
             code="rate_limit_exceeded",
             headers=headers,
             retry_after=retry,
         )
+
+    def expected_wait(self, waited: float = 0.0) -> float:
+        """Seconds until a request joining the queue now would likely be served: the longest
+        of what the rate limit, the concurrency limit (permits held `_held` s on average, or
+        at least `waited`: no permit came back while a request waited that long) and the
+        store's last answer say; at least DEFAULT_RETRY, at most MAX_RETRY_AFTER."""
+        ahead = self._waiting + 1
+        retry = DEFAULT_RETRY
+        if self.limits.requests is not None and self.limits.requests.rate > 0:
+            retry = max(retry, ahead / self.limits.requests.rate)
+        if self.concurrency is not None and self.inflight >= int(self.concurrency.limit):
+            held = max(self._held, waited)
+            retry = max(retry, ahead * held / max(1, int(self.concurrency.limit)))
+        if self._last is not None:
+            retry = max(retry, self._last.wait)
+        return min(MAX_RETRY_AFTER, retry)
 
     async def close(self) -> None:
         if self._task is not None:

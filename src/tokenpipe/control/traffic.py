@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from tokenpipe import usage as usage_mod
 from tokenpipe.admission import Admission, Grant
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control import cost as cost_mod
@@ -137,8 +138,10 @@ class Ticket:
         if self.permit is not None:
             await self.permit.limiter.observe(self.permit, status, headers)
 
-    def failed(self, status: int) -> None:
-        """Sending failed before any answer: 502 never reached it, 504 may have."""
+    def failed(self, status: int | None) -> None:
+        """Sending failed before any answer: 502 never reached it, 504 may have. None: it
+        ended for a reason that says nothing about the upstream (the client's own deadline
+        or its disconnect): released without a sample for the concurrency limit."""
         self.status = status
         self._release(None, sent=status not in NOT_SENT)
 
@@ -152,10 +155,18 @@ class Ticket:
 
     def finish(self, usage: dict[str, Any] | None = None, status: int | None = None) -> None:
         """The request ended (`status`: what the client got, when it says more, e.g. a 504
-        stall mid-stream)."""
+        stall mid-stream). The permit and the key's slot are released whatever the other
+        raises (`usage` is checked again here: this is also the internal calls' way out)."""
         if status in (503, 504):
             self.status = status
-        self._release(usage, sent=True)
-        if self.grant is not None:
-            self.grant.finish(self.cost.charged(usage))
-            self.grant = None
+        grant, self.grant = self.grant, None
+        try:
+            usage = usage_mod.clean(usage)
+            self._release(usage, sent=True)
+        finally:
+            if grant is not None:
+                charged = None
+                try:
+                    charged = self.cost.charged(usage)
+                finally:
+                    grant.finish(charged)

@@ -1,0 +1,48 @@
+"""An upstream's `usage` object, checked where it is read: a hostile or broken upstream may
+send any JSON there, and its counts feed metrics, the limiter's token bucket, the per-key
+quota and the context estimator.
+
+A count is kept only if it is a plain int (not a bool, not a float, not a string) in
+[0, MAX_COUNT]; any other value is treated as absent, with one log line naming the field
+(never the value's text beyond a short repr). Only the counting fields are checked; the rest
+of the object (e.g. `*_tokens_details`) is passed on as it is and never read as a count.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger("tokenpipe.usage")
+
+#: The count fields read by the gateway.
+COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+#: Largest count believed (tokens): far above any model's window (10^7), below where
+#: arithmetic on it could matter for floats (2^53).
+MAX_COUNT = 10_000_000
+
+
+def clean(usage: object, upstream: str = "?") -> dict[str, Any] | None:
+    """`usage` with every bad count dropped; None when it is not an object or holds no count."""
+    if not isinstance(usage, Mapping) or not usage:
+        return None
+    out = dict(usage)
+    for name in COUNTS:
+        if name not in out:
+            continue
+        value = out[name]
+        if value is None:
+            del out[name]
+        elif type(value) is not int or not 0 <= value <= MAX_COUNT:
+            del out[name]
+            log.warning(
+                "upstream %s sent usage.%s = %.40r (not a count in 0..%d): ignored",
+                upstream,
+                name,
+                value,
+                MAX_COUNT,
+            )
+    if not any(name in out for name in COUNTS):
+        return None
+    return out
