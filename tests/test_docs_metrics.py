@@ -40,14 +40,14 @@ def _post(url: str, body: dict[str, object]) -> None:
 
 def test_docs_metrics_table_matches_gateway_exposition() -> None:
     msg = [{"role": "user", "content": "hi"}]
-    with procs.sim("--ttft-ms", "1", "--itl-ms", "1", "--output-tokens", "5") as s:
-        with procs.gateway("--upstream", s.url + "/v1") as g:
-            v1 = g.url + "/v1"
-            _post(v1 + "/chat/completions", {"model": "sim-model", "messages": msg, "stream": True})
-            _post(v1 + "/chat/completions", {"model": "sim-model", "messages": msg})
-            _post(v1 + "/completions", {"model": "sim-model", "prompt": "hi", "max_tokens": 3})
-            _post(v1 + "/chat/completions", {"model": "sim-model", "messages": []})
-            text = urllib.request.urlopen(g.url + "/metrics", timeout=30).read().decode()
+    sim = procs.sim("--ttft-ms", "1", "--itl-ms", "1", "--output-tokens", "5")
+    with sim as s, procs.gateway("--upstream", s.url + "/v1") as g:
+        v1 = g.url + "/v1"
+        _post(v1 + "/chat/completions", {"model": "sim-model", "messages": msg, "stream": True})
+        _post(v1 + "/chat/completions", {"model": "sim-model", "messages": msg})
+        _post(v1 + "/completions", {"model": "sim-model", "prompt": "hi", "max_tokens": 3})
+        _post(v1 + "/chat/completions", {"model": "sim-model", "messages": []})
+        text = urllib.request.urlopen(g.url + "/metrics", timeout=30).read().decode()
     types = dict(re.findall(r"^# TYPE (tokenpipe_\S+) (\w+)", text, re.M))
     # Counters are shown as Prometheus exposes them, with `_total`.
     exposed = {
