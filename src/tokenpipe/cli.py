@@ -178,22 +178,22 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
             + local_model.INSTALL_HINT
         )
     host, grpc_port = cfg.server.host, cfg.server.grpc_port
-    sock = None
-    if workers > 1:  # workers.run holds the HTTP port itself (SO_REUSEPORT, for its workers)
-        ports.check_free(host, cfg.server.port, "--port")
-    else:
-        sock = ports.bound_socket(host, cfg.server.port)
-        cfg.server.port = sock.getsockname()[1]  # port 0 resolved: the examples show the real one
+    # The HTTP port is held while the model starts, and let go just before the server binds it
+    # (its own socket keeps aiohttp's backlog and options); a race lost in that moment is
+    # caught by startup_errors. workers.run holds the port itself (SO_REUSEPORT).
+    held = ports.bound_socket(host, cfg.server.port)
+    cfg.server.port = held.getsockname()[1]  # port 0 resolved: the examples show the real one
     ports.check_free(host, grpc_port, "--grpc-port")
 
     def run_gateway() -> None:
+        held.close()
         with ports.startup_errors(cfg.server.port, grpc_port):
             if workers > 1:
                 from tokenpipe import workers as workers_mod
 
                 workers_mod.run(cfg, workers, log_level)
             else:
-                serving.run(gateway.run(cfg, sock=sock))
+                serving.run(gateway.run(cfg))
 
     if cfg.upstreams:
         run_gateway()
@@ -319,11 +319,11 @@ def sim(
     from tokenpipe import ports
 
     try:
-        sock = ports.bound_socket(host, port)
+        with ports.startup_errors(port):
+            ports.check_free(host, port, "--port")
+            serving.run(serving.serve(app, host, port, drain_seconds=1.0, name="tokenpipe sim"))
     except PortBusy as e:
         _fail(str(e))
-        return
-    serving.run(serving.serve(app, host, port, drain_seconds=1.0, name="tokenpipe sim", sock=sock))
 
 
 def _register_optional() -> None:

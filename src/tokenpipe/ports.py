@@ -48,12 +48,10 @@ def _bind(host: str, port: int, flag: str) -> socket.socket:
 
 
 def bound_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
-    """A TCP socket bound to host:port (port 0: any free one), not yet listening: it holds the
-    port while the rest starts, and connections are refused rather than queued until the
-    server listens on it (asyncio and uvloop call listen() when they start serving)."""
-    sock = _bind(host, port, flag)
-    sock.setblocking(False)
-    return sock
+    """A TCP socket bound to host:port (port 0: any free one), never listening: it holds the
+    port while slow start-up work runs, and meanwhile connections are refused, not queued.
+    The caller closes it just before its server binds the port itself."""
+    return _bind(host, port, flag)
 
 
 def check_free(host: str, port: int, flag: str) -> None:

@@ -104,10 +104,11 @@ def local(
         _fail(model_mod.INSTALL_HINT)
         return
     try:  # the port before the model: a busy port fails at once, not after loading
-        sock = ports.bound_socket(host, port)
+        held = ports.bound_socket(host, port)  # let go just before the server binds it
     except ports.PortBusy as e:
         _fail(str(e))
         return
+    port = held.getsockname()[1]
     from tokenpipe.engines.local.app import EngineConfig, LocalServer
 
     try:
@@ -129,8 +130,10 @@ def local(
             default_max_tokens=default_max_tokens,
         ),
     )
-    serving.run(
-        serving.serve(
-            server.app(), host, port, drain_seconds=5.0, name="tokenpipe local", sock=sock
-        )
-    )
+    held.close()
+    try:
+        with ports.startup_errors(port):
+            app = server.app()
+            serving.run(serving.serve(app, host, port, drain_seconds=5.0, name="tokenpipe local"))
+    except ports.PortBusy as e:
+        _fail(str(e))
