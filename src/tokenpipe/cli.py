@@ -3,25 +3,53 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from tokenpipe import __version__
+from tokenpipe.ports import PortBusy
+
+if TYPE_CHECKING:
+    from tokenpipe.settings import Settings
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+#: The one-line summary of each command in `tokenpipe --help` (click would cut each
+#: command's docstring to fit); a command not named here shows its own short help.
+_SUMMARIES = {
+    "serve": "the streaming gateway; with no --upstream, on the embedded model",
+    "local": "an OpenAI-compatible server over the embedded Gemma 3 270M model",
+    "sim": "a simulated upstream with exact timing and fault injection",
+    "bench": "a load generator with correct LLM latency metrics",
+    "doctor": "explains where one request's latency goes",
+    "kv": "KV-cache memory for a model and workload",
+    "config": "checks a config file (`tokenpipe config check FILE`)",
+}
+
+
+class _Group(click.Group):
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """One list of commands, in the order a newcomer meets them."""
+        names = [n for n in _SUMMARIES if n in self.commands]
+        names += sorted(n for n in self.commands if n not in _SUMMARIES)
+        rows = []
+        for name in names:
+            cmd = self.commands[name]
+            if not cmd.hidden:
+                rows.append((name, _SUMMARIES.get(name) or cmd.get_short_help_str()))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(
+    cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.version_option(__version__, prog_name="tokenpipe")
 def main() -> None:
     """tokenpipe: a fast, predictable OpenAI-compatible gateway for LLM APIs.
 
-    \b
-    serve   the streaming gateway (HTTP/SSE and gRPC)
-    local   an OpenAI-compatible server over the embedded Gemma 3 270M model
-    sim     a simulated upstream with exact timing and fault injection
-    bench   a load generator with correct LLM latency metrics
-    doctor  explains where one request's latency goes
-    kv      KV-cache memory for a model and workload
-    config  checks a config file (`tokenpipe config check FILE`)
+    Every command has --help. Start with `tokenpipe serve` (or `make run` in a checkout).
     """
 
 
@@ -43,7 +71,8 @@ def _logging(level: str, fmt: str = "text") -> None:
     multiple=True,
     metavar="URL",
     help="Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:9000/v1. "
-    "Repeat for fallbacks, tried in order. Overrides the config's upstreams.",
+    "Repeat for fallbacks, tried in order. Overrides the config's upstreams. With none "
+    "(here or in the config): the embedded model, run as a child `tokenpipe local`.",
 )
 @click.option(
     "--config",
@@ -104,8 +133,11 @@ def serve(
     access_log: bool | None,
     workers: int,
 ) -> None:
-    """Run the gateway: OpenAI-compatible HTTP (and gRPC) in front of one or more upstreams."""
-    from tokenpipe import gateway, serving
+    """Run the gateway: OpenAI-compatible HTTP (and gRPC) in front of one or more upstreams.
+
+    With no --upstream (and no upstreams in --config) it runs the embedded model, Gemma 3 270M
+    on llama.cpp, as its one upstream: what `make run` does.
+    """
     from tokenpipe import settings as settings_mod
 
     _logging(log_level, log_format)
@@ -126,45 +158,66 @@ def serve(
         cfg.server.drain_seconds = drain_seconds
     if access_log is not None:
         cfg.server.access_log = access_log
-    if not cfg.upstreams:
-        # No upstream: the embedded local model, run as a managed child process `tokenpipe
-        # local` (not in this process: its per-token Python work would compete with the
-        # gateway's event loop for the GIL, a native crash would take the gateway down, and as
-        # a child it is reached like any other upstream). See engines/local/child.py.
-        from tokenpipe.engines.local import child
-        from tokenpipe.engines.local import model as local_model
+    try:
+        _serve(cfg, workers, log_level)
+    except PortBusy as e:
+        _fail(str(e))
 
-        if not local_model.installed():
-            _fail(
-                "no upstream configured (--upstream URL or a --config with upstreams), and "
-                + local_model.INSTALL_HINT
-            )
-        try:
-            with child.local_engine() as url:
-                cfg.upstreams = [settings_mod.upstream_from_url(url, 0)]
-                # One model that runs one sequence at a time: a hedge would only queue behind
-                # the request it hedges.
-                cfg.tail.hedging.enabled = False
-                click.echo(f"upstream: the local model (Gemma 3 270M) at {url}", err=True)
-                if cfg.server.port:
-                    click.echo(
-                        child.examples(f"http://{cfg.server.host}:{cfg.server.port}/v1"), err=True
-                    )
-                if workers > 1:  # N gateway processes share the one model (its queue is fair)
-                    from tokenpipe import workers as workers_mod
 
-                    workers_mod.run(cfg, workers, log_level)
-                else:
-                    serving.run(gateway.run(cfg))
-        except child.ChildFailed as e:
-            _fail(str(e))
+def _serve(cfg: Settings, workers: int, log_level: str) -> None:
+    """Holds or checks the ports first, then starts the local model if there is no upstream,
+    then serves. A busy port raises PortBusy before any slow start-up work."""
+    from tokenpipe import gateway, ports, serving
+    from tokenpipe import settings as settings_mod
+    from tokenpipe.engines.local import child
+    from tokenpipe.engines.local import model as local_model
+
+    if not cfg.upstreams and not local_model.installed():
+        _fail(
+            "no upstream configured (--upstream URL or a --config with upstreams), and "
+            + local_model.INSTALL_HINT
+        )
+    host, grpc_port = cfg.server.host, cfg.server.grpc_port
+    # The HTTP port is held while the model starts, and let go just before the server binds it
+    # (its own socket keeps aiohttp's backlog and options); a race lost in that moment is
+    # caught by startup_errors. workers.run holds the port itself (SO_REUSEPORT).
+    held = ports.bound_socket(host, cfg.server.port)
+    cfg.server.port = held.getsockname()[1]  # port 0 resolved: the examples show the real one
+    ports.check_free(host, grpc_port, "--grpc-port")
+
+    def run_gateway() -> None:
+        held.close()
+        with ports.startup_errors(cfg.server.port, grpc_port):
+            if workers > 1:
+                from tokenpipe import workers as workers_mod
+
+                workers_mod.run(cfg, workers, log_level)
+            else:
+                serving.run(gateway.run(cfg))
+
+    if cfg.upstreams:
+        run_gateway()
         return
-    if workers > 1:
-        from tokenpipe import workers as workers_mod
-
-        workers_mod.run(cfg, workers, log_level)
-        return
-    serving.run(gateway.run(cfg))
+    # No upstream: the embedded local model, run as a managed child process `tokenpipe
+    # local` (not in this process: its per-token Python work would compete with the
+    # gateway's event loop for the GIL, a native crash would take the gateway down, and as
+    # a child it is reached like any other upstream). See engines/local/child.py.
+    extra = ("--default-max-tokens", str(cfg.local.default_max_tokens), "--log-level", log_level)
+    try:
+        with child.local_engine(extra_args=extra) as url:
+            cfg.upstreams = [settings_mod.upstream_from_url(url, 0)]
+            # One model that runs one sequence at a time: a hedge would only queue behind
+            # the request it hedges.
+            cfg.tail.hedging.enabled = False
+            click.echo(f"upstream: the local model (Gemma 3 270M) at {url}", err=True)
+            if cfg.server.port:
+                click.echo(
+                    child.examples(f"http://{cfg.server.host}:{cfg.server.port}/v1"), err=True
+                )
+            # With --workers, N gateway processes share the one model (its queue is fair).
+            run_gateway()
+    except child.ChildFailed as e:
+        _fail(str(e))
 
 
 @main.command()
@@ -263,7 +316,14 @@ def sim(
     except ValueError as e:
         _fail(str(e))
         return
-    serving.run(serving.serve(app, host, port, drain_seconds=1.0, name="tokenpipe sim"))
+    from tokenpipe import ports
+
+    try:
+        with ports.startup_errors(port):
+            ports.check_free(host, port, "--port")
+            serving.run(serving.serve(app, host, port, drain_seconds=1.0, name="tokenpipe sim"))
+    except PortBusy as e:
+        _fail(str(e))
 
 
 def _register_optional() -> None:

@@ -266,6 +266,14 @@ class TailSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     fallbacks: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
+class LocalSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    """The embedded model that `serve` runs when no upstream is configured."""
+
+    #: Output cap for a request with no max_tokens (tokens): `tokenpipe local
+    #: --default-max-tokens`.
+    default_max_tokens: PositiveInt = 256
+
+
 class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
@@ -276,6 +284,7 @@ class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
     keys: dict[str, KeyQuota] = msgspec.field(default_factory=dict)
     context: ContextSettings = msgspec.field(default_factory=ContextSettings)
     tail: TailSettings = msgspec.field(default_factory=TailSettings)
+    local: LocalSettings = msgspec.field(default_factory=LocalSettings)
 
 
 class ConfigError(Exception):

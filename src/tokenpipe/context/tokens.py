@@ -82,6 +82,9 @@ class GGUFCounter:
     def __init__(self, path: str) -> None:
         from llama_cpp import Llama
 
+        from tokenpipe.engines.local import llama_log
+
+        llama_log.route_to_logging()  # its load chatter only with --log-level debug
         self._llm = Llama(model_path=path, vocab_only=True, verbose=False)
         self.name = f"gguf:{path}"
         self.chat = self._chat_format()

@@ -317,6 +317,11 @@ async def start_server(gateway: Gateway, host: str, port: int) -> grpc.aio.Serve
             # Idle streams are pinged so that dead clients are noticed and their requests freed.
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
+            # grpcio turns SO_REUSEPORT on by default, so a second gateway on a busy port would
+            # start and silently split gRPC clients with the first. On only for
+            # `serve --workers`, whose processes share the port by design (limits.workers > 1
+            # is set by it: processes sharing one config).
+            ("grpc.so_reuseport", 1 if gateway.settings.limits.workers > 1 else 0),
         ]
     )
     chat_pb2_grpc.add_ChatServicer_to_server(ChatService(gateway), server)

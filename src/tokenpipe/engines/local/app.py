@@ -26,7 +26,7 @@ from aiohttp import web
 from tokenpipe import sse
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control.flowgate import FlowGate
-from tokenpipe.engines.local import decode, metrics
+from tokenpipe.engines.local import decode, metrics, refusals
 from tokenpipe.engines.local.decode import Done, Failed, Item, Record, SamplingParams
 from tokenpipe.engines.local.handoff import TokenHandoff
 from tokenpipe.engines.local.model import MODEL_ID, LoadedModel
@@ -68,6 +68,10 @@ class EngineConfig:
     max_pause_seconds: float = 30.0
     #: Pieces in the hand-off between the decode thread and the event loop.
     handoff_tokens: int = 4
+    #: Output cap when a request gives no max_tokens (tokens; finish_reason "length" at it).
+    #: The pretrained model rarely ends a turn by itself: without a cap one request would fill
+    #: the whole context window (4,096 tokens, some two minutes on 2 cores).
+    default_max_tokens: int = 256
 
 
 class StreamOptions(msgspec.Struct):
@@ -92,6 +96,12 @@ class _Params(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     n: int | None = None
     ignore_eos: bool = False
+    # Accepted only to be refused when they ask for what the model cannot do (refusals.py).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    response_format: Any = None
 
 
 class ChatRequest(_Params, kw_only=True):
@@ -186,6 +196,13 @@ class LocalServer:
     def _params(self, req: _Params, n_prompt: int) -> SamplingParams:
         if req.n not in (None, 1):
             raise GatewayError(400, "n must be 1 with the local model", param="n")
+        refusals.check(
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
+            response_format=req.response_format,
+        )
         room = self.model.n_ctx - n_prompt
         if room <= 0:
             raise GatewayError(
@@ -199,7 +216,7 @@ class LocalServer:
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         if max_tokens is None:
-            max_tokens = room
+            max_tokens = min(self.config.default_max_tokens, room)
         if max_tokens < 0 or max_tokens > room:
             raise GatewayError(
                 400,

@@ -101,8 +101,10 @@ def local_engine(
 
 def examples(base_url: str) -> str:
     """Copy-paste first requests against the gateway at `base_url` (`http://HOST:PORT/v1`)."""
+    # A small max_tokens: the pretrained model seldom ends a turn by itself, so a first
+    # request ends in a few seconds rather than at the engine's cap.
     body = (
-        '{"model":"gemma-3-270m","stream":true,'
+        '{"model":"gemma-3-270m","stream":true,"max_tokens":64,'
         '"messages":[{"role":"user","content":"Write a haiku about rivers."}]}'
     )
     return (
@@ -110,7 +112,7 @@ def examples(base_url: str) -> str:
         f"  curl -N {base_url}/chat/completions -H 'Content-Type: application/json' \\\n"
         f"    -d '{body}'\n"
         f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base_url}', "
-        "api_key='unused'); print(c.chat.completions.create(model='gemma-3-270m', "
+        "api_key='unused'); print(c.chat.completions.create(model='gemma-3-270m', max_tokens=64, "
         "messages=[{'role': 'user', 'content': 'Write a haiku about rivers.'}])"
         '.choices[0].message.content)"\n'
     )

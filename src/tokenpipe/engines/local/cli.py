@@ -54,6 +54,14 @@ from tokenpipe.cli import _fail, _logging, main
     help="Tokens decoded ahead of the client (the decode thread's hand-off bound).",
 )
 @click.option(
+    "--default-max-tokens",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Output cap for a request that gives no max_tokens (finish_reason: length at it); "
+    "the pretrained model seldom stops by itself.",
+)
+@click.option(
     "--model-path",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
@@ -64,6 +72,7 @@ from tokenpipe.cli import _fail, _logging, main
     default="info",
     show_default=True,
     type=click.Choice(["debug", "info", "warning", "error"]),
+    help="debug also shows llama.cpp's own log (model loading, KV-cache layout).",
 )
 def local(
     host: str,
@@ -74,6 +83,7 @@ def local(
     max_queue_wait: float,
     max_pause: float,
     handoff_tokens: int,
+    default_max_tokens: int,
     model_path: str | None,
     log_level: str,
 ) -> None:
@@ -86,13 +96,19 @@ def local(
     x-tokenpipe-decode-ms; streams end with the comment `: tokenpipe queue_ms=... prefill_ms=...
     decode_ms=...` before `data: [DONE]`.
     """
-    from tokenpipe import serving
+    from tokenpipe import ports, serving
     from tokenpipe.engines.local import model as model_mod
 
     _logging(log_level)
     if model_path is None and not model_mod.installed():
         _fail(model_mod.INSTALL_HINT)
         return
+    try:  # the port before the model: a busy port fails at once, not after loading
+        held = ports.bound_socket(host, port)  # let go just before the server binds it
+    except ports.PortBusy as e:
+        _fail(str(e))
+        return
+    port = held.getsockname()[1]
     from tokenpipe.engines.local.app import EngineConfig, LocalServer
 
     try:
@@ -111,6 +127,13 @@ def local(
             max_wait_seconds=max_queue_wait,
             max_pause_seconds=max_pause,
             handoff_tokens=handoff_tokens,
+            default_max_tokens=default_max_tokens,
         ),
     )
-    serving.run(serving.serve(server.app(), host, port, drain_seconds=5.0, name="tokenpipe local"))
+    held.close()
+    try:
+        with ports.startup_errors(port):
+            app = server.app()
+            serving.run(serving.serve(app, host, port, drain_seconds=5.0, name="tokenpipe local"))
+    except ports.PortBusy as e:
+        _fail(str(e))

@@ -82,6 +82,9 @@ class LoadedModel:
     def __init__(self, opts: ModelOptions) -> None:
         from llama_cpp import Llama
 
+        from tokenpipe.engines.local import llama_log
+
+        llama_log.route_to_logging()
         path = opts.path or str(gguf_path())
         self.path = path
         self.opts = opts
