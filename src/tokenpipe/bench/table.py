@@ -46,8 +46,16 @@ def fit(
     for r in rows:
         t.add_row(*r)
     natural = _natural(console, t)
-    if wide or natural <= console.width:
-        console.print(t, width=max(natural, console.width) if wide else None)
+    if natural <= console.width:
+        console.print(t)
+        return
+    if wide:  # print(width=) clamps to the console's width: widen the console itself
+        width = console.width
+        console.width = natural
+        try:
+            console.print(t)
+        finally:
+            console.width = width
         return
     todo = list(rows)
     part = 1
