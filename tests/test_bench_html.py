@@ -34,12 +34,20 @@ FLAGS = [
 ]
 
 
-def render(page: Path, png: Path) -> tuple[str, str]:
-    """(DOM after scripts ran, console lines) and a screenshot at `png`."""
+def render(page: Path, png: Path, size: str = "1400,1600") -> tuple[str, str]:
+    """(DOM after scripts ran, console lines) and a screenshot at `png`, both laid out in a
+    window of `size` (so boxes read from the DOM are where the screenshot has them)."""
     url = page.resolve().as_uri()
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         dom = subprocess.run(
-            [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
+            [
+                CHROMIUM,
+                *FLAGS,
+                f"--user-data-dir={profile}",
+                f"--window-size={size}",
+                "--dump-dom",
+                url,
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -50,7 +58,7 @@ def render(page: Path, png: Path) -> tuple[str, str]:
                 CHROMIUM,
                 *FLAGS,
                 f"--user-data-dir={profile}",
-                "--window-size=1400,1600",
+                f"--window-size={size}",
                 f"--screenshot={png}",
                 url,
             ],

@@ -70,7 +70,11 @@ class _Live:
     "--rate", type=float, default=None, help="Open loop: arrivals per second (else closed loop)."
 )
 @click.option(
-    "--arrival", type=click.Choice(["poisson", "gamma"]), default="poisson", show_default=True
+    "--arrival",
+    type=click.Choice(["poisson", "gamma"]),
+    default="poisson",
+    show_default=True,
+    help="Open loop: how arrivals are spaced (gamma takes --burstiness).",
 )
 @click.option(
     "--burstiness",
@@ -108,7 +112,11 @@ class _Live:
     help="max_tokens per request (0: leave it to the server).",
 )
 @click.option(
-    "--protocol", type=click.Choice(["sse", "h2", "grpc"]), default="sse", show_default=True
+    "--protocol",
+    type=click.Choice(["sse", "h2", "grpc"]),
+    default="sse",
+    show_default=True,
+    help="Client: SSE over HTTP/1.1, SSE over HTTP/2, or the gateway's gRPC stream.",
 )
 @click.option(
     "--compare",
@@ -142,7 +150,8 @@ class _Live:
     "headers",
     multiple=True,
     metavar="NAME:VALUE",
-    help="Extra request header (repeat), e.g. x-sim-itl-ms:2.",
+    help="Extra request header (repeat), e.g. x-sim-itl-ms:2. x-sim-* headers steer "
+    "`tokenpipe sim` only when sent to it directly: a gateway drops them (bench warns).",
 )
 @click.option(
     "--api-key",
@@ -162,7 +171,9 @@ class _Live:
     is_flag=True,
     help="Measure the client's own ceiling against an unpaced sim it starts.",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seed of prompts and arrivals."
+)
 @click.option(
     "--timeout", type=float, default=600.0, show_default=True, help="Seconds one request may take."
 )
@@ -181,6 +192,12 @@ class _Live:
     help="Write a self-contained HTML report with plots.",
 )
 @click.option("--no-progress", is_flag=True, help="No live progress bar.")
+@click.option(
+    "--wide",
+    is_flag=True,
+    help="One table row per run with every column, however wide (default: that layout "
+    "only if it fits the terminal, else one column per run).",
+)
 def bench(
     url: str | None,
     model: str,
@@ -210,6 +227,7 @@ def bench(
     json_path: str | None,
     html_path: str | None,
     no_progress: bool,
+    wide: bool,
 ) -> None:
     """Load-test an OpenAI-compatible streaming endpoint with correct LLM latency metrics.
 
@@ -228,8 +246,10 @@ def bench(
     from tokenpipe.bench import html as html_mod
     from tokenpipe.bench import prompts as prompts_mod
     from tokenpipe.bench import report
+    from tokenpipe.bench import table as table_mod
     from tokenpipe.bench.clients import ProtocolUnavailable, grpc_modules
     from tokenpipe.bench.metrics import parse_slo
+    from tokenpipe.bench.target import sim_header_warning
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     err = Console(stderr=True)
@@ -288,12 +308,25 @@ def bench(
     if processes == 0:
         processes = os.cpu_count() or 1
     if self_test:
-        _self_test(
-            url, model, concurrencies, processes, kwargs, max_tokens or 256, console, json_path
+        from tokenpipe.bench.selftest import run_self_test
+
+        run_self_test(
+            url,
+            model,
+            concurrencies,
+            processes,
+            kwargs,
+            max_tokens or 256,
+            console,
+            json_path,
+            wide,
         )
         return
     if not url:
         raise click.UsageError("URL is required (or --self-test)")
+    warning = asyncio.run(sim_header_warning(url, extra_headers))
+    if warning:
+        err.print(f"[yellow]tokenpipe bench: {warning}[/]")
 
     runs = _run_all(
         url,
@@ -306,9 +339,9 @@ def bench(
         err,
         no_progress or (not console.is_terminal and processes > 1),
     )
-    report.print_report(runs, slo_obj, console)
+    report.print_report(runs, slo_obj, console, wide=wide)
     if temps != [None]:
-        _print_temperatures(runs, console)
+        table_mod.temperature_table(console, runs, wide=wide)
     command = "tokenpipe bench " + shlex.join(sys.argv[2:])
     meta = {
         "command": command,
@@ -405,133 +438,3 @@ def _run_all(
     for run in runs:
         out.extend(run.split_by_protocol())
     return out
-
-
-def _print_temperatures(runs: list, console: Any) -> None:
-    """Median tokens/s per temperature (a temperature listed twice is sampled twice, which
-    interleaves the runs against drift), with the ratio against the first temperature."""
-    import statistics
-
-    from rich.table import Table
-
-    by_t: dict[float | None, list[dict[str, Any]]] = {}
-    for run in runs:
-        by_t.setdefault(run.temperature, []).append(run.summary().to_json())
-    t = Table(title="tokens/s per temperature (median of runs)", title_justify="left")
-    for col in ("temperature", "runs", "tokens/s", "TPOT p50 ms", "TTFT p50 ms", "ratio"):
-        t.add_column(col, justify="right")
-    base = None
-    for temp, sums in by_t.items():
-        tps = statistics.median(s["output_tokens_per_s"] or 0.0 for s in sums)
-        tpot = statistics.median(s["tpot_ms"]["p50"] or 0.0 for s in sums)
-        ttft = statistics.median(s["ttft_ms"]["p50"] or 0.0 for s in sums)
-        base = base or tps or None
-        t.add_row(
-            str(temp),
-            str(len(sums)),
-            f"{tps:,.1f}",
-            f"{tpot:.2f}",
-            f"{ttft:.1f}",
-            f"{tps / base:.2f}x" if base else "-",
-        )
-    console.print(t)
-
-
-def _self_test(
-    url: str | None,
-    model: str,
-    concurrencies: list[int],
-    processes: int,
-    kwargs: dict[str, Any],
-    output_tokens: int,
-    console: Any,
-    json_path: str | None,
-) -> None:
-    from contextlib import nullcontext
-
-    from tokenpipe.bench.load import run_load_processes
-    from tokenpipe.bench.selftest import Ceiling, own_cpu_s, process_cpu_s, unpaced_sim
-
-    ctx: Any = nullcontext((url, 0)) if url else unpaced_sim(output_tokens)
-    results = []
-    with ctx as (base, sim_pid):
-        for c in concurrencies:
-            cpu0, sim0, t0 = (
-                own_cpu_s(),
-                process_cpu_s(sim_pid) if sim_pid else 0.0,
-                time.perf_counter(),
-            )
-            run = run_load_processes(
-                processes,
-                base,
-                model,
-                concurrency=c,
-                label=f"c={c}",
-                **{**kwargs, "max_tokens": output_tokens},
-            )
-            wall = time.perf_counter() - t0
-            cpu = own_cpu_s() - cpu0
-            sim_cpu = (process_cpu_s(sim_pid) - sim0) if sim_pid else 0.0
-            s = run.summary()
-            ceiling = Ceiling(
-                tokens_per_s=s.output_tokens / run.wall_s if run.wall_s else 0.0,
-                requests_per_s=s.requests_ok / run.wall_s if run.wall_s else 0.0,
-                chunks_per_s=s.chunks / run.wall_s if run.wall_s else 0.0,
-                wall_s=run.wall_s,
-                client_cpu=cpu / wall,
-                sim_cpu=sim_cpu / wall,
-            )
-            results.append((c, run, ceiling))
-    from rich.table import Table
-
-    t = Table(
-        title=f"client ceiling ({processes} process(es), {output_tokens} tokens/request, "
-        "unpaced sim)",
-        title_justify="left",
-    )
-    for col in (
-        "concurrency",
-        "ok",
-        "failed",
-        "tokens/s",
-        "chunks/s",
-        "requests/s",
-        "client CPU (cores)",
-        "sim CPU (cores)",
-        "verdict",
-    ):
-        t.add_column(col, justify="right" if col != "verdict" else "left")
-    for c, run, ce in results:
-        s = run.summary()
-        t.add_row(
-            str(c),
-            str(s.requests_ok),
-            str(s.requests_failed),
-            f"{ce.tokens_per_s:,.0f}",
-            f"{ce.chunks_per_s:,.0f}",
-            f"{ce.requests_per_s:,.1f}",
-            f"{ce.client_cpu:.2f}",
-            f"{ce.sim_cpu:.2f}",
-            ce.verdict(processes),
-        )
-    console.print(t)
-    if json_path:
-        doc = {
-            "self_test": [
-                {
-                    "concurrency": c,
-                    "processes": processes,
-                    "output_tokens": output_tokens,
-                    "tokens_per_s": round(ce.tokens_per_s, 1),
-                    "chunks_per_s": round(ce.chunks_per_s, 1),
-                    "requests_per_s": round(ce.requests_per_s, 2),
-                    "client_cpu_cores": round(ce.client_cpu, 3),
-                    "sim_cpu_cores": round(ce.sim_cpu, 3),
-                    "verdict": ce.verdict(processes),
-                    "summary": run.summary().to_json(),
-                }
-                for c, run, ce in results
-            ]
-        }
-        Path(json_path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
-        console.print(f"wrote {json_path}")

@@ -8,9 +8,14 @@ from html import escape
 from tokenpipe.bench import svg
 from tokenpipe.bench.load import RunResult
 from tokenpipe.bench.metrics import SLO
+from tokenpipe.bench.table import NO_SLO
 
-#: Requests drawn in the timeline (the first ones of the first run).
-TIMELINE_ROWS = 300
+#: Requests drawn per run in the timeline (the first ones sent): 60 rows in a 200-pixel
+#: panel keep each bar ~2 px high; 300 rows of one run made the plot a single diagonal line.
+TIMELINE_ROWS = 60
+#: Runs drawn in the timeline (a panel each, 200 px); the rest is named in a note.
+TIMELINE_RUNS = 12
+PANEL_H = 200
 
 
 def _cell(v: float | None, digits: int = 1) -> str:
@@ -36,6 +41,58 @@ def _by_concurrency(runs: Sequence[RunResult], slo: SLO | None) -> dict[str, lis
     return {"lat": list(lat.items()), "tput": list(tput.items())}
 
 
+def names(runs: Sequence[RunResult]) -> list[str]:
+    """One distinct name per run (a label seen twice, e.g. a repeated temperature, gets #2):
+    series keyed by name would otherwise merge and one run would vanish from the plot."""
+    out: list[str] = []
+    for i, r in enumerate(runs):
+        base = r.label or (f"run {i + 1}" if len(runs) > 1 else "run")
+        name, n = base, 1
+        while name in out:
+            n += 1
+            name = f"{base} #{n}"
+        out.append(name)
+    return out
+
+
+def timeline(runs: Sequence[RunResult], run_names: Sequence[str]) -> str:
+    """Small multiples: one panel per run, its first requests as rows over its own time."""
+    panels: list[str] = []
+    for run, name in list(zip(runs, run_names, strict=True))[:TIMELINE_RUNS]:
+        origin = run.started_at
+        recs = sorted(run.records, key=lambda r: r.sent_at)
+        spans: list[tuple[str, float, float, str]] = []
+        for rec in recs[:TIMELINE_ROWS]:
+            label = f"#{rec.index}"
+            start = (rec.sent_at - origin) * 1000
+            end = ((rec.end_at or rec.sent_at) - origin) * 1000
+            ft = rec.first_token_at
+            if ft is None:
+                spans.append((label, start, end, "#dc2626"))
+                continue
+            spans.append((label, start, (ft - origin) * 1000, "#9ca3af"))
+            spans.append((label, (ft - origin) * 1000, end, "#2563eb"))
+        shown = min(len(recs), TIMELINE_ROWS)
+        panels.append(
+            svg.bars(
+                spans,
+                f"{name}: {'first ' if shown < len(recs) else ''}{shown} of {len(recs)} requests",
+                "ms since the run started",
+                labels=False,
+                height=PANEL_H,
+                css_class="panel",
+                plot_id=f"timeline-{len(panels)}",
+            )
+        )
+    rest = len(runs) - len(panels)
+    return svg.stack(
+        panels,
+        "Timeline per run (grey: waiting for the first token, blue: decoding, red: failed)",
+        plot_id="plot-timeline",
+        note=f"{rest} more runs not drawn" if rest > 0 else "",
+    )
+
+
 def render(
     runs: Sequence[RunResult],
     slo: SLO | None = None,
@@ -53,34 +110,22 @@ def render(
             f"<td>{_cell(s['itl_token_ms']['p99'], 2)}</td>"
             f"<td>{_cell(s['itl_chunk_ms']['p50'], 2)}</td><td>{_cell(s['tpot_ms']['p50'], 2)}</td>"
             f"<td>{_cell(s['e2e_ms']['p50'])}</td><td>{_cell(s['e2e_ms']['p99'])}</td>"
-            f"<td>{_cell(s['output_tokens_per_s'])}</td><td>{_cell(s['goodput'], 2)}</td></tr>"
+            f"<td>{_cell(s['output_tokens_per_s'])}</td>"
+            f"<td>{_cell(s['goodput'], 2) if slo else NO_SLO}</td></tr>"
         )
     notes = "".join(
         f'<p class="note">{escape(r.label)}: {escape(n)}</p>' for r in runs for n in r.notes
     )
+    run_names = names(runs)
     ttft = {
-        r.label or "run": [x * 1000 for x in (rec.ttft for rec in r.records) if x is not None]
-        for r in runs
+        n: [x * 1000 for x in (rec.ttft for rec in r.records) if x is not None]
+        for n, r in zip(run_names, runs, strict=True)
     }
     itl = {
-        r.label or "run": [g * 1000 for rec in r.records if rec.ok for g, _ in rec.itl_tokens()]
-        for r in runs
+        n: [g * 1000 for rec in r.records if rec.ok for g, _ in rec.itl_tokens()]
+        for n, r in zip(run_names, runs, strict=True)
     }
     series = _by_concurrency(runs, slo)
-    first = runs[0] if runs else None
-    spans: list[tuple[str, float, float, str]] = []
-    if first is not None:
-        origin = first.started_at
-        for rec in sorted(first.records, key=lambda r: r.sent_at)[:TIMELINE_ROWS]:
-            label = f"#{rec.index}"
-            start = (rec.sent_at - origin) * 1000
-            end = ((rec.end_at or rec.sent_at) - origin) * 1000
-            ft = rec.first_token_at
-            if ft is None:
-                spans.append((label, start, end, "#dc2626"))
-                continue
-            spans.append((label, start, (ft - origin) * 1000, "#9ca3af"))
-            spans.append((label, (ft - origin) * 1000, end, "#2563eb"))
     plots = [
         svg.histogram(ttft, "TTFT distribution", "ms", plot_id="plot-ttft"),
         svg.histogram(itl, "ITL per token distribution", "ms", plot_id="plot-itl"),
@@ -98,14 +143,9 @@ def render(
             "output tokens/s",
             plot_id="plot-throughput",
         ),
-        svg.bars(
-            spans,
-            f"Timeline of {first.label if first and first.label else 'the run'} "
-            "(grey: waiting for the first token, blue: decoding, red: failed)",
-            "ms since start",
-            plot_id="plot-timeline",
-            labels=False,
-        ),
+        timeline(runs, run_names)
+        if runs
+        else svg.bars([], "Timeline", "", plot_id="plot-timeline"),
     ]
     head = (
         "<th>run</th><th>protocol</th><th>conc</th><th>ok</th><th>failed</th>"
@@ -113,7 +153,11 @@ def render(
         "<th>ITL/chunk p50</th><th>TPOT p50</th><th>e2e p50</th><th>e2e p99</th>"
         "<th>tokens/s</th><th>goodput req/s</th>"
     )
-    slo_text = f"<p>SLO: <code>{escape(str(slo.to_json()))}</code></p>" if slo else ""
+    slo_text = (
+        f"<p>SLO: <code>{escape(str(slo.to_json()))}</code></p>"
+        if slo
+        else "<p>No SLO given (<code>--slo</code>): no goodput.</p>"
+    )
     return (
         f"<!doctype html><html lang=en><head><meta charset=utf-8><title>{escape(title)}</title>"
         f"<style>{svg.CSS}</style></head><body><h1>{escape(title)}</h1>"

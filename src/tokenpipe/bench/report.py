@@ -1,4 +1,4 @@
-"""The bench's outputs: the `--json` document and the terminal table."""
+"""The bench's outputs: the `--json` document and the terminal report (tables: `table`)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from tokenpipe.bench.load import RunResult
 from tokenpipe.bench.metrics import SLO, Summary
+from tokenpipe.bench.table import bench_table
 
 
 def run_json(run: RunResult, slo: SLO | None) -> dict[str, Any]:
@@ -50,71 +50,16 @@ def bench_json(
     return doc
 
 
-def _f(v: float | None, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
-
-
-def table(runs: Sequence[RunResult], slo: SLO | None, title: str = "tokenpipe bench") -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold")
-    for col in (
-        "run",
-        "proto",
-        "conc",
-        "ok",
-        "fail",
-        "TTFT p50",
-        "TTFT p99",
-        "ITL/tok p50",
-        "ITL/tok p99",
-        "ITL/chunk p50",
-        "TPOT p50",
-        "e2e p50",
-        "e2e p99",
-        "tok/chunk",
-        "tok/s",
-        "req/s",
-        "goodput/s",
-    ):
-        t.add_column(col, justify="left" if col in ("run", "proto") else "right")
-    base = None
-    for run in runs:
-        s = run.summary(slo).to_json()
-        tps = s["output_tokens_per_s"]
-        base = base or tps
-        t.add_row(
-            run.label or "-",
-            ",".join(run.protocols),
-            str(run.concurrency),
-            str(s["requests_ok"]),
-            str(s["requests_failed"]),
-            _f(s["ttft_ms"]["p50"]),
-            _f(s["ttft_ms"]["p99"]),
-            _f(s["itl_token_ms"]["p50"], 2),
-            _f(s["itl_token_ms"]["p99"], 2),
-            _f(s["itl_chunk_ms"]["p50"], 2),
-            _f(s["tpot_ms"]["p50"], 2),
-            _f(s["e2e_ms"]["p50"]),
-            _f(s["e2e_ms"]["p99"]),
-            _f(s["tokens_per_chunk"], 2),
-            _f(tps) + (f" ({tps / base:.2f}x)" if base and tps and len(runs) > 1 else ""),
-            _f(s["requests_per_s"], 2),
-            _f(s["goodput"], 2),
-        )
-    t.caption = (
-        "times in ms; ITL/tok: chunk gap / tokens in the chunk (tokens from usage); "
-        "tok/s ratio against the first run" + (f"; SLO {slo.to_json()}" if slo else "")
-    )
-    return t
-
-
 def print_report(
     runs: Sequence[RunResult],
     slo: SLO | None,
     console: Console | None = None,
     title: str = "tokenpipe bench",
+    *,
+    wide: bool = False,
 ) -> None:
     console = console or Console()
-    console.print(table(runs, slo, title))
+    bench_table(console, runs, slo, title, wide=wide)
     for run in runs:
         for note in run.notes:
             console.print(f"[yellow]note[/] {run.label + ': ' if run.label else ''}{note}")

@@ -13,9 +13,14 @@ import resource
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
 
 _LISTEN = re.compile(rb"listening on (http://[\d.]+:\d+)")
 #: Seconds to wait for the sim to print its listening line.
@@ -108,3 +113,75 @@ class Ceiling:
         if self.sim_cpu >= 0.85:
             return "the sim is the bottleneck; the client can measure at least this much"
         return "neither process is saturated (loopback or scheduling limits the rate)"
+
+
+def run_self_test(
+    url: str | None,
+    model: str,
+    concurrencies: list[int],
+    processes: int,
+    kwargs: dict[str, Any],
+    output_tokens: int,
+    console: Any,
+    json_path: str | None,
+    wide: bool,
+) -> None:
+    """`bench --self-test`: the client's own ceiling per concurrency, as a table (and JSON)."""
+    from contextlib import nullcontext
+
+    from tokenpipe.bench.load import run_load_processes
+
+    ctx: Any = nullcontext((url, 0)) if url else unpaced_sim(output_tokens)
+    results = []
+    with ctx as (base, sim_pid):
+        for c in concurrencies:
+            cpu0, sim0, t0 = (
+                own_cpu_s(),
+                process_cpu_s(sim_pid) if sim_pid else 0.0,
+                time.perf_counter(),
+            )
+            run = run_load_processes(
+                processes,
+                base,
+                model,
+                concurrency=c,
+                label=f"c={c}",
+                **{**kwargs, "max_tokens": output_tokens},
+            )
+            wall = time.perf_counter() - t0
+            cpu = own_cpu_s() - cpu0
+            sim_cpu = (process_cpu_s(sim_pid) - sim0) if sim_pid else 0.0
+            s = run.summary()
+            ceiling = Ceiling(
+                tokens_per_s=s.output_tokens / run.wall_s if run.wall_s else 0.0,
+                requests_per_s=s.requests_ok / run.wall_s if run.wall_s else 0.0,
+                chunks_per_s=s.chunks / run.wall_s if run.wall_s else 0.0,
+                wall_s=run.wall_s,
+                client_cpu=cpu / wall,
+                sim_cpu=sim_cpu / wall,
+            )
+            results.append((c, run, ceiling))
+    from tokenpipe.bench.table import ceiling_table
+
+    title = f"client ceiling ({processes} process(es), {output_tokens} tokens/request, unpaced sim)"
+    ceiling_table(console, title, results, processes, wide=wide)
+    if json_path:
+        doc = {
+            "self_test": [
+                {
+                    "concurrency": c,
+                    "processes": processes,
+                    "output_tokens": output_tokens,
+                    "tokens_per_s": round(ce.tokens_per_s, 1),
+                    "chunks_per_s": round(ce.chunks_per_s, 1),
+                    "requests_per_s": round(ce.requests_per_s, 2),
+                    "client_cpu_cores": round(ce.client_cpu, 3),
+                    "sim_cpu_cores": round(ce.sim_cpu, 3),
+                    "verdict": ce.verdict(processes),
+                    "summary": run.summary().to_json(),
+                }
+                for c, run, ce in results
+            ]
+        }
+        Path(json_path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+        console.print(f"wrote {json_path}")

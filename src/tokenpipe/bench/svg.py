@@ -51,18 +51,21 @@ class _Frame:
         x0: float = 0.0,
         y0: float = 0.0,
         plot_id: str = "",
+        h: int = H,
+        css_class: str = "plot",
     ) -> None:
         self.x0, self.x1 = x0, x1 if x1 > x0 else x0 + 1
         self.y0, self.y1 = y0, y1 if y1 > y0 else y0 + 1
+        self.h = h  # pixels: the frame's height (panels of a stack are shorter)
         self.parts: list[str] = [
-            f'<svg class="plot" id="{escape(plot_id)}" xmlns="http://www.w3.org/2000/svg" '
-            f'viewBox="0 0 {W} {H}" width="{W}" height="{H}" role="img">',
+            f'<svg class="{css_class}" id="{escape(plot_id)}" xmlns="http://www.w3.org/2000/svg" '
+            f'viewBox="0 0 {W} {h}" width="{W}" height="{h}" role="img">',
             f"<title>{escape(title)}</title>",
             f'<text x="{W / 2}" y="18" text-anchor="middle" class="t">{escape(title)}</text>',
-            f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{H - 6}" text-anchor="middle" '
+            f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{h - 6}" text-anchor="middle" '
             f'class="l">{escape(xlabel)}</text>',
-            f'<text x="14" y="{(PAD_T + H - PAD_B) / 2}" text-anchor="middle" class="l" '
-            f'transform="rotate(-90 14 {(PAD_T + H - PAD_B) / 2})">{escape(ylabel)}</text>',
+            f'<text x="14" y="{(PAD_T + h - PAD_B) / 2}" text-anchor="middle" class="l" '
+            f'transform="rotate(-90 14 {(PAD_T + h - PAD_B) / 2})">{escape(ylabel)}</text>',
         ]
         for i in range(6):
             yv = self.y0 + (self.y1 - self.y0) * i / 5
@@ -75,19 +78,20 @@ class _Frame:
             xv = self.x0 + (self.x1 - self.x0) * i / 5
             x = self.sx(xv)
             self.parts.append(
-                f'<text x="{x:.1f}" y="{H - PAD_B + 14}" text-anchor="middle" '
+                f'<text x="{x:.1f}" y="{h - PAD_B + 14}" text-anchor="middle" '
                 f'class="a">{_fmt(xv)}</text>'
             )
         self.parts.append(
             f'<rect x="{PAD_L}" y="{PAD_T}" width="{W - PAD_L - PAD_R}" '
-            f'height="{H - PAD_T - PAD_B}" class="f"/>'
+            f'height="{h - PAD_T - PAD_B}" class="f"/>'
         )
 
     def sx(self, v: float) -> float:
         return PAD_L + (v - self.x0) / (self.x1 - self.x0) * (W - PAD_L - PAD_R)
 
     def sy(self, v: float) -> float:
-        return H - PAD_B - (v - self.y0) / (self.y1 - self.y0) * (H - PAD_T - PAD_B)
+        h = self.h
+        return h - PAD_B - (v - self.y0) / (self.y1 - self.y0) * (h - PAD_T - PAD_B)
 
     def add(self, s: str) -> None:
         self.parts.append(s)
@@ -131,18 +135,34 @@ def histogram(
         shares[name] = [c / total for c in counts]
     ymax = _nice_max(max((max(s) for s in shares.values() if s), default=1.0))
     f = _Frame(title, xlabel, "share of samples", hi, ymax, lo, plot_id=plot_id)
-    for i, (_name, s) in enumerate(shares.items()):
+    # Each series is a step outline over a faint fill, not opaque bars: overlaid bars of
+    # several runs hid one another. Earlier series are drawn wider (2 px more each, up to
+    # 14), so where two runs' outlines coincide both colours still show.
+    n = len(shares)
+    for i, (name, s) in enumerate(shares.items()):
         color = COLORS[i % len(COLORS)]
+        stroke = min(14, 2 + 2 * (n - 1 - i))
+        pts = [f"{f.sx(lo):.1f},{f.sy(0):.1f}"]
+        # The outline skips empty bins: a line along the axis would show a run's colour
+        # where it has no samples.
+        path: list[str] = []
         for b, share in enumerate(s):
+            y, xl, xr = f.sy(share), f.sx(lo + b * width), f.sx(lo + (b + 1) * width)
+            pts += [f"{xl:.1f},{y:.1f}", f"{xr:.1f},{y:.1f}"]
             if share <= 0:
                 continue
-            x = f.sx(lo + b * width)
-            x2 = f.sx(lo + (b + 1) * width)
-            y = f.sy(share)
-            f.add(
-                f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(0.5, x2 - x - 0.5):.1f}" '
-                f'height="{f.sy(0) - y:.1f}" fill="{color}" fill-opacity="0.55"/>'
-            )
+            if b == 0 or s[b - 1] <= 0:
+                path.append(f"M{xl:.1f},{f.sy(0):.1f}")
+            path.append(f"L{xl:.1f},{y:.1f}L{xr:.1f},{y:.1f}")
+            if b == len(s) - 1 or s[b + 1] <= 0:
+                path.append(f"L{xr:.1f},{f.sy(0):.1f}")
+        pts.append(f"{f.sx(hi):.1f},{f.sy(0):.1f}")
+        f.add(
+            f'<g class="series" data-series="{escape(name)}">'
+            f'<polygon points="{" ".join(pts)}" fill="{color}" fill-opacity="0.12" '
+            f'stroke="none"/><path d="{"".join(path)}" fill="none" stroke="{color}" '
+            f'stroke-width="{stroke}" stroke-linejoin="round"/></g>'
+        )
     if len(series) > 1:
         f.legend(list(series))
     return f.render()
@@ -197,23 +217,26 @@ def bars(
     plot_id: str = "",
     max_rows: int = 400,
     labels: bool = True,
+    height: int = H,
+    css_class: str = "plot",
 ) -> str:
     """Horizontal spans (label, start, end, color), one row each: a timeline or a waterfall."""
     spans = list(spans)[:max_rows]
     if not spans:
-        return _empty(title, plot_id)
+        return _empty(title, plot_id, height, css_class)
     row_of = {label: i for i, label in enumerate(dict.fromkeys(lb for lb, *_ in spans))}
     n = max(1, len(row_of))
     xmax = _nice_max(max(e for _, _, e, _ in spans))
-    f = _Frame(title, xlabel, "", xmax, float(n), plot_id=plot_id)
-    h = max(1.0, (H - PAD_T - PAD_B) / n - 1)
+    f = _Frame(title, xlabel, "", xmax, float(n), plot_id=plot_id, h=height, css_class=css_class)
+    h = max(1.0, (height - PAD_T - PAD_B) / n - 1)
     for label, start, end, color in spans:
         r = row_of[label]
         y = f.sy(n - r)
         f.add(
             f'<rect x="{f.sx(start):.1f}" y="{y:.1f}" '
             f'width="{max(0.8, f.sx(end) - f.sx(start)):.1f}" height="{h:.1f}" '
-            f'fill="{color}"><title>{escape(label)}: {start:.1f}-{end:.1f}</title></rect>'
+            f'fill="{color}" data-row="{escape(label)}">'
+            f"<title>{escape(label)}: {start:.1f}-{end:.1f}</title></rect>"
         )
         if labels and n <= 16:
             f.add(
@@ -223,9 +246,32 @@ def bars(
     return f.render()
 
 
-def _empty(title: str, plot_id: str) -> str:
-    f = _Frame(title, "", "", 1.0, 1.0, plot_id=plot_id)
-    f.add(f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" class="l">no data</text>')
+def stack(panels: Sequence[str], title: str, *, plot_id: str = "", note: str = "") -> str:
+    """One plot of panels one above another (each an SVG of width W, e.g. `bars(...,
+    css_class="panel")`): small multiples that count as one plot of the page."""
+    heights = [int(p.split('height="', 1)[1].split('"', 1)[0]) for p in panels]
+    top = 28
+    total = top + sum(heights) + (18 if note else 0)
+    out = [
+        f'<svg class="plot" id="{escape(plot_id)}" xmlns="http://www.w3.org/2000/svg" '
+        f'viewBox="0 0 {W} {total}" width="{W}" height="{total}" role="img">',
+        f"<title>{escape(title)}</title>",
+        f'<text x="{W / 2}" y="18" text-anchor="middle" class="t">{escape(title)}</text>',
+    ]
+    y = top
+    for p, h in zip(panels, heights, strict=True):
+        out.append(p.replace("<svg ", f'<svg x="0" y="{y}" ', 1))
+        y += h
+    if note:
+        out.append(
+            f'<text x="{W / 2}" y="{y + 12}" text-anchor="middle" class="l">{escape(note)}</text>'
+        )
+    return "".join(out) + "</svg>"
+
+
+def _empty(title: str, plot_id: str, h: int = H, css_class: str = "plot") -> str:
+    f = _Frame(title, "", "", 1.0, 1.0, plot_id=plot_id, h=h, css_class=css_class)
+    f.add(f'<text x="{W / 2}" y="{h / 2}" text-anchor="middle" class="l">no data</text>')
     return f.render()
 
 
@@ -241,8 +287,14 @@ svg .a{font-size:10px;fill:#4b5563}svg .g{stroke:#eee}svg .f{fill:none;stroke:#9
 .note{color:#92400e}.bad{color:#b91c1c}code{background:#f3f4f6;padding:1px 4px}
 """
 
-#: Marks the page rendered: counts the plots into `data-plots` (checked in a headless browser).
+#: Marks the page rendered: counts the plots into `data-plots` and writes where each plot and
+#: panel landed into `data-boxes` ({id: [x, y, width, height]} in CSS pixels), for the
+#: headless-browser tests that read the screenshot.
 RENDER_CHECK = (
     "<script>document.body.dataset.plots="
-    "String(document.querySelectorAll('svg.plot').length);</script>"
+    "String(document.querySelectorAll('svg.plot').length);"
+    "const b={};for(const e of document.querySelectorAll('svg.plot,svg.panel')){"
+    "const r=e.getBoundingClientRect();"
+    "b[e.id]=[r.x+scrollX,r.y+scrollY,r.width,r.height].map(Math.round);}"
+    "document.body.dataset.boxes=JSON.stringify(b);</script>"
 )

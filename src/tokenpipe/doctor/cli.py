@@ -15,7 +15,7 @@ from tokenpipe.cli import main
 
 @main.command("doctor")
 @click.argument("url")
-@click.option("--model", default="sim-model", show_default=True)
+@click.option("--model", default="sim-model", show_default=True, help="Model name to request.")
 @click.option(
     "--requests",
     "n_requests",
@@ -24,16 +24,39 @@ from tokenpipe.cli import main
     show_default=True,
     help="Traced requests (each on a fresh connection).",
 )
-@click.option("--max-tokens", type=int, default=64, show_default=True)
-@click.option("--prompt-tokens", type=int, default=32, show_default=True)
-@click.option("--temperature", type=float, default=None)
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=64,
+    show_default=True,
+    help="max_tokens of the traced requests and the shared-connection probe.",
+)
+@click.option(
+    "--prompt-tokens",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Length of the synthetic prompt (tokens).",
+)
+@click.option(
+    "--temperature",
+    type=float,
+    default=None,
+    help="Sampling temperature to request.  [default: the server's]",
+)
 @click.option(
     "--sweep",
     default="16,32,64,128",
     show_default=True,
     help="Output lengths for the latency-vs-length fit ('' for none).",
 )
-@click.option("--sweep-repeats", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--sweep-repeats",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Requests per output length in the sweep.",
+)
 @click.option(
     "--streams",
     type=click.IntRange(min=0),
@@ -55,14 +78,28 @@ from tokenpipe.cli import main
     show_default=True,
     help="A gap over this x the median chunk gap (and --stall-min-ms) is a stall.",
 )
-@click.option("--stall-min-ms", type=float, default=100.0, show_default=True)
-@click.option("--slow-first-token-ms", type=float, default=500.0, show_default=True)
+@click.option(
+    "--stall-min-ms",
+    type=float,
+    default=100.0,
+    show_default=True,
+    help="A gap shorter than this (ms) is never a stall.",
+)
+@click.option(
+    "--slow-first-token-ms",
+    type=float,
+    default=500.0,
+    show_default=True,
+    help="TTFT beyond the network phases over this (ms) is slow_first_token.",
+)
 @click.option(
     "--header",
     "headers",
     multiple=True,
     metavar="NAME:VALUE",
-    help="Extra request header (repeat), e.g. x-sim-fault:stall:10:500.",
+    help="Extra request header (repeat), e.g. x-sim-fault:stall:10:500. x-sim-* headers "
+    "steer `tokenpipe sim` only when sent to it directly: a gateway drops them, so "
+    "doctor warns and an injected fault would not happen.",
 )
 @click.option(
     "--api-key",
@@ -79,7 +116,11 @@ from tokenpipe.cli import main
     help="Record a py-spy flame graph of this (tokenpipe) process meanwhile.",
 )
 @click.option(
-    "--profile-out", type=click.Path(dir_okay=False), default="doctor-flame.svg", show_default=True
+    "--profile-out",
+    type=click.Path(dir_okay=False),
+    default="doctor-flame.svg",
+    show_default=True,
+    help="Where --profile writes the flame graph (SVG).",
 )
 @click.option(
     "--profile-seconds",
@@ -87,7 +128,9 @@ from tokenpipe.cli import main
     default=None,
     help="How long to sample.  [default: while the doctor runs, estimated]",
 )
-@click.option("--timeout", type=float, default=300.0, show_default=True)
+@click.option(
+    "--timeout", type=float, default=300.0, show_default=True, help="Seconds one request may take."
+)
 @click.option(
     "--json",
     "json_path",
@@ -95,7 +138,13 @@ from tokenpipe.cli import main
     metavar="FILE",
     help="Write phases_ms, findings and the raw timings as JSON.",
 )
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), metavar="FILE")
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Write a self-contained HTML report with the waterfall and plots.",
+)
 def doctor(
     url: str,
     model: str,
@@ -127,6 +176,8 @@ def doctor(
     (+ server_queue/limiter_wait/prefill/decode when the server reports them).
     Findings: stall, slow_first_token, chunking, queueing, slow_dns, slow_tls,
     hol_blocking, superlinear_output_scaling, each with its evidence.
+    To see a finding on purpose, inject it at the sim itself (not through a gateway,
+    which drops x-sim-* headers): --header x-sim-fault:stall:10:500.
     """
     from tokenpipe.doctor import render
     from tokenpipe.doctor.findings import Thresholds
@@ -172,8 +223,15 @@ def doctor(
             flame = FlameGraph(profile_pid, profile_out, seconds)
         except ProfilerUnavailable as e:
             click.echo(f"tokenpipe doctor: {e}", err=True)
+    from tokenpipe.bench.target import sim_header_warning
+
     install_uvloop()
+    warning = asyncio.run(sim_header_warning(url, hdrs))
+    if warning:
+        click.echo(f"tokenpipe doctor: {warning}", err=True)
     report = asyncio.run(diagnose(opts))
+    if warning:
+        report.notes.append(warning)
     if flame is not None:
         try:
             report.profile_svg = str(flame.wait(timeout_s=(profile_seconds or 10.0) + 60))

@@ -35,6 +35,20 @@ _EXPLAIN = {
 }
 
 
+#: Columns the "what it is" column keeps at least (its longest word is 11).
+_EXPLAIN_MIN = 24
+#: The waterfall bar's width in a wide terminal (characters).
+_BAR_MAX = 40
+_BAR_MIN = 10
+
+
+def bar_width(console_width: int, name_w: int, ms_w: int) -> int:
+    """The waterfall bar's width: 40 where there is room, less in a narrow terminal so the
+    explanation keeps `_EXPLAIN_MIN` columns (4 columns: 13 of borders and padding)."""
+    room = console_width - 13 - name_w - ms_w - _EXPLAIN_MIN
+    return max(_BAR_MIN, min(_BAR_MAX, room))
+
+
 def print_text(r: DoctorReport, console: Console | None = None) -> None:
     console = console or Console()
     ph = r.phases_ms
@@ -42,16 +56,20 @@ def print_text(r: DoctorReport, console: Console | None = None) -> None:
     t = Table(
         title=f"waterfall of one request (the median of {len(r.traced)})", title_justify="left"
     )
-    t.add_column("phase")
-    t.add_column("ms", justify="right")
-    t.add_column("", no_wrap=True)
-    t.add_column("what it is")
+    rows = [k for k in PHASES] + [k for k in ph if k.startswith("server_")]
+    name_w = max(len(k) for k in rows)
+    ms_w = max(len(f"{ph[k]:.1f}") for k in rows)
+    width = bar_width(console.width, name_w, ms_w)
+    t.add_column("phase", no_wrap=True)
+    t.add_column("ms", justify="right", no_wrap=True)
+    t.add_column("", no_wrap=True, width=width)
+    # Wraps (folding a word only if it is longer than the column), never cut to "…".
+    t.add_column("what it is", overflow="fold", min_width=_EXPLAIN_MIN)
     at = 0.0
-    width = 40
     for k in PHASES:
         v = ph[k]
         start = int(at / total * width)
-        n = max(1 if v > 0 else 0, int(v / total * width + 0.5))
+        n = min(width - start, max(1 if v > 0 else 0, int(v / total * width + 0.5)))
         t.add_row(k, f"{v:.1f}", " " * start + "\u2588" * n, _EXPLAIN[k])
         at += v
     for k, v in ph.items():
