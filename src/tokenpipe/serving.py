@@ -46,8 +46,9 @@ async def serve(
     connection whose first request's headers have not all arrived by then (aiohttp arms its
     keep-alive timer at connect: it is the only deadline on trickled headers)."""
     from tokenpipe.observe.logs import AccessLog
+    from tokenpipe.rejections import Runner
 
-    runner = web.AppRunner(
+    runner = Runner(
         app,
         handler_cancellation=True,
         shutdown_timeout=drain_seconds,

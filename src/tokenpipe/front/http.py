@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from tokenpipe import request_ids, sse
 from tokenpipe.control.flowgate import FlowGate
@@ -72,7 +74,7 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(GatewayError(e.status, e.reason), request.get("request_id"))
+        return error_response(_routing_error(request, e), request.get("request_id"))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -84,12 +86,44 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         logs.REQUEST_ID.reset(token)
 
 
+def _routing_error(request: web.Request, e: web.HTTPException) -> GatewayError:
+    """aiohttp's 404/405 as an error a client can act on: what is served, what is allowed."""
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        return GatewayError(
+            405,
+            f"{request.method} is not allowed on {_safe_path(request)}; use {allowed}.",
+            code="method_not_allowed",
+            headers={"Allow": allowed},
+        )
+    if isinstance(e, web.HTTPNotFound):
+        served = ", ".join(
+            f"{r.method} {r.resource.canonical}"
+            for r in request.app.router.routes()
+            if r.method not in ("HEAD", "OPTIONS") and r.resource is not None
+        )
+        return GatewayError(
+            404,
+            f"The gateway does not serve {request.method} {_safe_path(request)}. "
+            f"It serves: {served}.",
+            code="unknown_route",
+        )
+    return GatewayError(e.status, e.reason)
+
+
+def _safe_path(request: web.Request) -> str:
+    """The path as the client sent it, bounded and with keys masked: it is echoed back."""
+    return logs.redact(request.path[:200])
+
+
 def _request_id(request: web.Request) -> str:
     known: str | None = request.get("request_id")
     if known is not None:
         return known
     rid = request.headers.get("x-request-id")
-    if rid is None or not _REQUEST_ID.match(rid):
+    # A client's id is echoed and logged: bounded (128 characters of a safe set), and refused
+    # (replaced by a fresh one) when it looks like a key, which must never be echoed or logged.
+    if rid is None or not _REQUEST_ID.match(rid) or logs.redact(rid) != rid:
         rid = request_ids.new()
     request["request_id"] = rid
     return rid
@@ -121,7 +155,19 @@ async def _read_body_unbounded_in_time(request: web.Request, limit: int) -> byte
     parts: list[bytes] = []
     size = 0
     while True:
-        chunk = await request.content.readany()
+        # Sizes count decompressed bytes (Content-Encoding: gzip/deflate): aiohttp inflates in
+        # pieces of at most 64 KiB, so a gzip bomb meets the limit (413) in bounded memory.
+        try:
+            chunk = await request.content.readany()
+        except (HttpProcessingError, RequestPayloadError) as e:  # it does not inflate
+            # The rest of the body cannot be read either: marked ended so that aiohttp does
+            # not read it again after the answer (and log a traceback for it).
+            request.content.feed_eof()
+            raise GatewayError(
+                400,
+                f"The request body could not be decoded ({type(e).__name__}).",
+                code="invalid_body",
+            ) from None
         if not chunk:
             break
         size += len(chunk)

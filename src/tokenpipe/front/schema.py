@@ -30,7 +30,7 @@ class Message(Struct):
 class StreamOptions(Struct):
     include_usage: bool | None = None
     #: tokenpipe extension: the rate (tokens/s) the client can render; the relay paces to it.
-    max_tokens_per_second: Annotated[float, Meta(ge=0)] | None = None
+    max_tokens_per_second: Annotated[float, Meta(ge=0, le=1e6)] | None = None
 
 
 class ChatRequest(Struct):
