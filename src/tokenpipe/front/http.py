@@ -23,7 +23,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from tokenpipe import request_ids, sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import cors, schema
+from tokenpipe.front import cors, drain, schema
 from tokenpipe.front.pacing import pace_gate
 from tokenpipe.observe import logs, metrics
 from tokenpipe.observe.runtime import RuntimeSampler
@@ -46,6 +46,7 @@ _SSE_HEADERS = {
 CLIENT_CLOSED = 499
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+DRAIN: web.AppKey[drain.Drain] = web.AppKey("drain", drain.Drain)
 #: Server-side phases (ms) a generating upstream reports on non-streamed answers
 #: (`tokenpipe local`); passed through as they are. Streams carry them as an SSE comment.
 _SERVER_TIMING_HEADERS = ("x-tokenpipe-queue-ms", "x-tokenpipe-prefill-ms", "x-tokenpipe-decode-ms")
@@ -221,6 +222,7 @@ async def _completion(
         )
         _bound_client_buffers(request, gw.settings.server.stream_send_buffer_bytes)
         await sse_response.prepare(request)
+        request[drain.STREAM] = sse_response  # a shutdown cut ends it with an error event
         status = await _relay_sse(call, sse_response, gate, request)
         return sse_response
     finally:
@@ -364,6 +366,8 @@ def build_app(gateway: Gateway) -> web.Application:
         handler_args={"max_field_size": 16384, "max_line_size": 16384},
     )
     app[GATEWAY] = gateway
+    app[DRAIN] = drain.Drain()
+    app.middlewares.append(drain.middleware(app[DRAIN], lambda: gateway.draining))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
