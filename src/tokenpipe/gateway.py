@@ -56,4 +56,7 @@ async def run(settings: Settings, sock: socket.socket | None = None) -> None:
         # Also the deadline on a new connection's request headers (slowloris).
         idle_seconds=min(75.0, settings.server.read_timeout_seconds),
         access_log=settings.server.access_log,
+        drain=lambda: app[front_http.DRAIN].run(
+            settings.server.drain_grace_seconds, settings.server.drain_seconds
+        ),
     )

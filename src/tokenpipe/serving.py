@@ -2,8 +2,9 @@
 
 Handler cancellation is on: when a client disconnects, its handler task is cancelled at once,
 which closes the upstream connection (capacity is the scarcest thing a gateway holds).
-On SIGTERM or SIGINT: stop accepting, report not-ready, let open requests finish for up to
-`drain_seconds`, then cancel what is left and exit.
+On SIGTERM or SIGINT: report not-ready and keep answering (the `drain` hook: see
+front/drain.py) while open requests finish, for up to `drain_seconds`; then cancel what is left,
+close the listening socket and the connections, and exit.
 """
 
 from __future__ import annotations
@@ -41,16 +42,20 @@ async def serve(
     sock: socket.socket | None = None,
     idle_seconds: float = 75.0,
     access_log: bool = False,
+    drain: Hook | None = None,
 ) -> None:
     """`idle_seconds`: an idle keep-alive connection is closed after this long, and so is a new
     connection whose first request's headers have not all arrived by then (aiohttp arms its
     keep-alive timer at connect: it is the only deadline on trickled headers)."""
     from tokenpipe.observe.logs import AccessLog
+    from tokenpipe.rejections import Runner
 
-    runner = web.AppRunner(
+    runner = Runner(
         app,
         handler_cancellation=True,
-        shutdown_timeout=drain_seconds,
+        # After the drain hook (which ends or cuts the open requests within drain_seconds)
+        # only idle connections are left: closing them must not wait drain_seconds again.
+        shutdown_timeout=drain_seconds if drain is None else min(drain_seconds, 1.0),
         access_log=logging.getLogger("tokenpipe.access") if access_log else None,
         access_log_class=AccessLog,
         handle_signals=False,
@@ -79,8 +84,12 @@ async def serve(
         if on_draining is not None:
             on_draining()
         # Both fronts drain at the same time, each within drain_seconds.
-        stops = [runner.cleanup()] + ([extra_stop()] if extra_stop is not None else [])
-        await asyncio.gather(*stops)
+        extra = asyncio.ensure_future(extra_stop()) if extra_stop is not None else None
+        if drain is not None:
+            await drain()
+        await runner.cleanup()
+        if extra is not None:
+            await extra
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

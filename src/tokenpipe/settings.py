@@ -27,6 +27,9 @@ class ServerSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     #: On SIGTERM, open streams may finish for this long before the process exits (seconds).
     drain_seconds: Annotated[float, Meta(ge=0)] = 30.0
+    #: After SIGTERM, keep answering (readyz 503, API requests 503 + Retry-After) for at least
+    #: this long, so probes and load balancers see the 503 (seconds; capped at drain_seconds).
+    drain_grace_seconds: Annotated[float, Meta(ge=0)] = 5.0
     #: A client must send its request headers and body within this time (seconds).
     read_timeout_seconds: PositiveFloat = 30.0
     #: Kernel send buffer of a streaming client's socket (bytes; 0: the kernel's autotuning,

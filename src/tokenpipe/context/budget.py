@@ -235,7 +235,7 @@ class ContextBudget:
             upper = tokens.upper_bound(counter, messages) + len(tools_text.encode())
             if upper + want + self.settings.margin_tokens <= window:
                 return UNCHANGED
-        costs = tokens.count_messages(counter, messages)
+        costs = await tokens.count_messages_off_loop(counter, messages)
         # Tokens per request outside the messages: the reply's opening and the tools.
         reply = counter.chat.reply + (counter.count(tools_text) if tools_text else 0)
         chars = sum(len(tokens.message_text(m)) for m in messages) + len(tools_text)
@@ -285,13 +285,13 @@ class ContextBudget:
                 new_messages = [*lead, note_msg, *rest, *kept]
         elif policy == "truncate":
             self.cuts.put(self._cut_key(messages, keep_from), "")
-        new_prompt = sum(tokens.count_messages(counter, new_messages)) + reply
+        new_prompt = sum(await tokens.count_messages_off_loop(counter, new_messages)) + reply
         room = window - limits.margin - new_prompt
         if done == "summarize" and room < min(want, limits.min_output):
             # A summary longer than asked for (or counted longer): send the cut without it.
             done, note = "truncate", "too-long"
             new_messages = [*system, *kept]
-            new_prompt = sum(tokens.count_messages(counter, new_messages)) + reply
+            new_prompt = sum(await tokens.count_messages_off_loop(counter, new_messages)) + reply
             room = window - limits.margin - new_prompt
         if room < min(want, limits.min_output):
             raise _too_long(window, new_prompt)

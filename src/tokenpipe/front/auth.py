@@ -27,13 +27,15 @@ class Authenticator:
         """Returns the key's name, or raises 401. The presented key never reaches a message."""
         if not self._keys:
             return ANONYMOUS
-        if not authorization or not authorization.startswith("Bearer "):
+        # The scheme is case-insensitive (RFC 9110 section 11.1): "bearer" and "BEARER" count.
+        scheme, _, credentials = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():
             raise GatewayError(
                 401,
                 "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.",
                 code="missing_api_key",
             )
-        presented = hashlib.sha256(authorization[7:].strip().encode()).digest()
+        presented = hashlib.sha256(credentials.strip().encode()).digest()
         found = None
         # Compare against every digest so the time taken does not say which one matched.
         for name, want in self._keys:

@@ -12,11 +12,15 @@ from typing import Any
 
 from aiohttp import web
 
-_ALLOW_HEADERS = "authorization, content-type, x-request-id, x-tokenpipe-max-tokens-per-second"
+_ALLOW_HEADERS = (
+    "authorization, content-type, x-request-id, x-tokenpipe-max-tokens-per-second, "
+    "x-tokenpipe-context-policy, x-tokenpipe-deadline-seconds"
+)
 _EXPOSE_HEADERS = (
     "x-request-id, retry-after, x-ratelimit-limit-requests, x-ratelimit-limit-tokens, "
     "x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens, "
-    "x-ratelimit-reset-requests, x-ratelimit-reset-tokens"
+    "x-ratelimit-reset-requests, x-ratelimit-reset-tokens, x-tokenpipe-max-tokens, "
+    "x-tokenpipe-context"
 )
 #: How long a browser may cache a preflight answer (seconds).
 _MAX_AGE = "600"

@@ -17,11 +17,13 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from tokenpipe import request_ids, sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import cors, schema
+from tokenpipe.front import cors, drain, schema
 from tokenpipe.front.pacing import pace_gate
 from tokenpipe.observe import logs, metrics
 from tokenpipe.observe.runtime import RuntimeSampler
@@ -44,6 +46,7 @@ _SSE_HEADERS = {
 CLIENT_CLOSED = 499
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+DRAIN: web.AppKey[drain.Drain] = web.AppKey("drain", drain.Drain)
 #: Server-side phases (ms) a generating upstream reports on non-streamed answers
 #: (`tokenpipe local`); passed through as they are. Streams carry them as an SSE comment.
 _SERVER_TIMING_HEADERS = ("x-tokenpipe-queue-ms", "x-tokenpipe-prefill-ms", "x-tokenpipe-decode-ms")
@@ -72,7 +75,7 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(GatewayError(e.status, e.reason), request.get("request_id"))
+        return error_response(_routing_error(request, e), request.get("request_id"))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
@@ -84,12 +87,44 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
         logs.REQUEST_ID.reset(token)
 
 
+def _routing_error(request: web.Request, e: web.HTTPException) -> GatewayError:
+    """aiohttp's 404/405 as an error a client can act on: what is served, what is allowed."""
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        return GatewayError(
+            405,
+            f"{request.method} is not allowed on {_safe_path(request)}; use {allowed}.",
+            code="method_not_allowed",
+            headers={"Allow": allowed},
+        )
+    if isinstance(e, web.HTTPNotFound):
+        served = ", ".join(
+            f"{r.method} {r.resource.canonical}"
+            for r in request.app.router.routes()
+            if r.method not in ("HEAD", "OPTIONS") and r.resource is not None
+        )
+        return GatewayError(
+            404,
+            f"The gateway does not serve {request.method} {_safe_path(request)}. "
+            f"It serves: {served}.",
+            code="unknown_route",
+        )
+    return GatewayError(e.status, e.reason)
+
+
+def _safe_path(request: web.Request) -> str:
+    """The path as the client sent it, bounded and with keys masked: it is echoed back."""
+    return logs.redact(request.path[:200])
+
+
 def _request_id(request: web.Request) -> str:
     known: str | None = request.get("request_id")
     if known is not None:
         return known
     rid = request.headers.get("x-request-id")
-    if rid is None or not _REQUEST_ID.match(rid):
+    # A client's id is echoed and logged: bounded (128 characters of a safe set), and refused
+    # (replaced by a fresh one) when it looks like a key, which must never be echoed or logged.
+    if rid is None or not _REQUEST_ID.match(rid) or logs.redact(rid) != rid:
         rid = request_ids.new()
     request["request_id"] = rid
     return rid
@@ -121,7 +156,19 @@ async def _read_body_unbounded_in_time(request: web.Request, limit: int) -> byte
     parts: list[bytes] = []
     size = 0
     while True:
-        chunk = await request.content.readany()
+        # Sizes count decompressed bytes (Content-Encoding: gzip/deflate): aiohttp inflates in
+        # pieces of at most 64 KiB, so a gzip bomb meets the limit (413) in bounded memory.
+        try:
+            chunk = await request.content.readany()
+        except (HttpProcessingError, RequestPayloadError) as e:  # it does not inflate
+            # The rest of the body cannot be read either: marked ended so that aiohttp does
+            # not read it again after the answer (and log a traceback for it).
+            request.content.feed_eof()
+            raise GatewayError(
+                400,
+                f"The request body could not be decoded ({type(e).__name__}).",
+                code="invalid_body",
+            ) from None
         if not chunk:
             break
         size += len(chunk)
@@ -175,6 +222,7 @@ async def _completion(
         )
         _bound_client_buffers(request, gw.settings.server.stream_send_buffer_bytes)
         await sse_response.prepare(request)
+        request[drain.STREAM] = sse_response  # a shutdown cut ends it with an error event
         status = await _relay_sse(call, sse_response, gate, request)
         return sse_response
     finally:
@@ -318,6 +366,8 @@ def build_app(gateway: Gateway) -> web.Application:
         handler_args={"max_field_size": 16384, "max_line_size": 16384},
     )
     app[GATEWAY] = gateway
+    app[DRAIN] = drain.Drain()
+    app.middlewares.append(drain.middleware(app[DRAIN], lambda: gateway.draining))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 
 PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
+#: tokens per second; far above any renderer (a million tokens a second is no pace at all).
+MAX_RATE = 1e6
 
 
 def pace_gate(headers: Mapping[str, str], option: float | None) -> FlowGate | None:
@@ -19,12 +22,16 @@ def pace_gate(headers: Mapping[str, str], option: float | None) -> FlowGate | No
         try:
             rate = float(header)
         except ValueError:
+            rate = math.nan
+        # inf, nan, negative and absurd rates are refused here, before the stream starts (the
+        # flow gate would otherwise fail mid-stream). 0 means "no pace".
+        if not 0 <= rate <= MAX_RATE:
             raise GatewayError(
                 400,
-                f"{PACE_HEADER} must be a number of tokens per second.",
+                f"{PACE_HEADER} must be a number of tokens per second from 0 to {MAX_RATE:g}.",
                 param=PACE_HEADER,
                 code="invalid_request",
-            ) from None
+            )
     if not rate or rate <= 0:
         return None
     gate = FlowGate()

@@ -20,6 +20,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 Probability = Annotated[float, Meta(ge=0, le=1)]
 TokenCount = Annotated[int, Meta(ge=1)]
+#: Messages per chat request: bounds the per-request work of validating and counting
+#: (100,000 messages took 1 s to count); far above real conversations. Over it: a 400.
+MAX_MESSAGES = 10_000
 
 
 class Message(Struct):
@@ -30,12 +33,12 @@ class Message(Struct):
 class StreamOptions(Struct):
     include_usage: bool | None = None
     #: tokenpipe extension: the rate (tokens/s) the client can render; the relay paces to it.
-    max_tokens_per_second: Annotated[float, Meta(ge=0)] | None = None
+    max_tokens_per_second: Annotated[float, Meta(ge=0, le=1e6)] | None = None
 
 
 class ChatRequest(Struct):
     model: Annotated[str, Meta(min_length=1)]
-    messages: Annotated[list[Message], Meta(min_length=1)]
+    messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: TokenCount | None = None

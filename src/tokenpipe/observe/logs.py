@@ -48,13 +48,19 @@ class JsonFormatter(logging.Formatter):
         }
         rid = getattr(record, "request_id", None) or REQUEST_ID.get()
         if rid:
-            out["request_id"] = rid
+            out["request_id"] = redact(str(rid))
+        # Every field is masked, not only the message: `extra=` carries client text too (the
+        # path of an access-log line, a header value).
         for k, v in record.__dict__.items():
             if k not in self._STANDARD and k not in out:
-                out[k] = v
+                out[k] = redact(v) if isinstance(v, str) else v
         if record.exc_info:
             out["exc"] = redact(self.formatException(record.exc_info))
-        return orjson.dumps(out, default=str).decode()
+        return orjson.dumps(out, default=_redacted_str).decode()
+
+
+def _redacted_str(value: object) -> str:
+    return redact(str(value))
 
 
 class TextFormatter(logging.Formatter):

@@ -1,0 +1,72 @@
+"""Shutdown driven as Kubernetes drives it (issue 16.14): SIGTERM; the readiness probe on a
+kept-alive connection and on a new one sees 503; new traffic gets 503 with Retry-After; an open
+stream is cut at drain_seconds with an error event saying so, then [DONE]; the process exits."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from tests import procs
+
+DRAIN = 2.0  # seconds
+GRACE = 1.0  # seconds
+
+
+async def test_sigterm_drains_as_documented_for_orchestrators(tmp_path: Path) -> None:
+    # A 30-s stream (300 tokens, 100 ms apart): still open when drain_seconds ends.
+    with procs.sim("--ttft-ms", "10", "--itl-ms", "100", "--output-tokens", "300") as sim:
+        cfg = tmp_path / "gw.yaml"
+        cfg.write_text(
+            f"server:\n  drain_seconds: {DRAIN}\n  drain_grace_seconds: {GRACE}\n"
+            f"upstreams:\n  - name: sim\n    url: {sim.url}/v1\n"
+        )
+        with procs.gateway("--config", str(cfg)) as g:
+            body = {
+                "model": "sim-model",
+                "stream": True,
+                "max_tokens": 300,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            conn = aiohttp.TCPConnector(limit_per_host=1)  # the probe reuses one kept-alive conn
+            async with (
+                aiohttp.ClientSession(connector=conn) as probe,
+                aiohttp.ClientSession() as client,
+            ):
+                async with probe.get(g.url + "/readyz") as r:
+                    assert r.status == 200
+                    await r.read()
+                async with client.post(g.url + "/v1/chat/completions", json=body) as stream:
+                    assert stream.status == 200
+                    await stream.content.readline()  # the stream is open and flowing
+                    g.signal(signal.SIGTERM)
+                    sent = time.monotonic()
+                    await asyncio.sleep(
+                        0.3
+                    )  # let the signal arrive (not a synchronisation of ours)
+                    async with probe.get(g.url + "/readyz") as r:  # the kept-alive connection
+                        assert r.status == 503
+                        assert (await r.json())["error"]["code"] == "draining"
+                    async with (
+                        aiohttp.ClientSession() as fresh,  # a new connection
+                        fresh.post(g.url + "/v1/chat/completions", json=body) as r,
+                    ):
+                        assert r.status == 503
+                        assert int(r.headers["Retry-After"]) >= 1
+                        assert (await r.json())["error"]["code"] == "draining"
+                    rest = (await stream.content.read()).decode()
+                    cut_at = time.monotonic() - sent
+            events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            last = orjson.loads(events[-2])
+            assert last["error"]["code"] == "shutdown"
+            assert "shutting down" in last["error"]["message"]
+            assert DRAIN - 0.2 <= cut_at <= DRAIN + 0.8, cut_at
+            assert g.wait(5) == 0 or g.proc.returncode is not None
+            exited_at = time.monotonic() - sent
+            assert exited_at <= DRAIN + 2.0, exited_at
