@@ -26,7 +26,7 @@ async def test_sigterm_drains_as_documented_for_orchestrators(tmp_path: Path) ->
             f"server:\n  drain_seconds: {DRAIN}\n  drain_grace_seconds: {GRACE}\n"
             f"upstreams:\n  - name: sim\n    url: {sim.url}/v1\n"
         )
-        with procs.gateway("--config", str(cfg)) as g:
+        with procs.gateway("--config", str(cfg), "--drain-grace-seconds", str(GRACE)) as g:
             body = {
                 "model": "sim-model",
                 "stream": True,

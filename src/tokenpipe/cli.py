@@ -95,6 +95,13 @@ def _logging(level: str, fmt: str = "text") -> None:
     help="How long open streams may finish after SIGTERM.  [default: 30]",
 )
 @click.option(
+    "--drain-grace-seconds",
+    type=float,
+    default=None,
+    help="After SIGTERM, keep answering (/readyz and new requests: 503) for at least this long,"
+    " so probes see it.  [default: 5]",
+)
+@click.option(
     "--log-level",
     default="info",
     show_default=True,
@@ -128,6 +135,7 @@ def serve(
     port: int | None,
     grpc_port: int | None,
     drain_seconds: float | None,
+    drain_grace_seconds: float | None,
     log_level: str,
     log_format: str,
     access_log: bool | None,
@@ -156,6 +164,8 @@ def serve(
         cfg.server.grpc_port = grpc_port
     if drain_seconds is not None:
         cfg.server.drain_seconds = drain_seconds
+    if drain_grace_seconds is not None:
+        cfg.server.drain_grace_seconds = drain_grace_seconds
     if access_log is not None:
         cfg.server.access_log = access_log
     try:

@@ -95,4 +95,17 @@ def sim(*args: str, env: dict[str, str] | None = None) -> Service:
 
 
 def gateway(*args: str, env: dict[str, str] | None = None) -> Service:
-    return Service("serve", "--port", "0", "--grpc-port", "0", *args, name="gateway", env=env)
+    # No shutdown grace (docs/config.md `drain_grace_seconds`): these gateways stop as soon as
+    # their requests end; a test of the grace passes its own --drain-grace-seconds after these.
+    return Service(
+        "serve",
+        "--port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--drain-grace-seconds",
+        "0",
+        *args,
+        name="gateway",
+        env=env,
+    )
