@@ -13,11 +13,11 @@ from typing import Any
 
 from tokenpipe.admission import Admission, Grant
 from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.context.windows import known_window
 from tokenpipe.control import cost as cost_mod
 from tokenpipe.control.aimd import AIMDLimit
 from tokenpipe.control.limiter import Limiter, Permit
 from tokenpipe.control.store import Limits, MemoryStore, Spec, Store
-from tokenpipe.context.windows import known_window
 from tokenpipe.settings import Settings, UpstreamLimits
 
 log = logging.getLogger("tokenpipe.limits")
