@@ -110,15 +110,15 @@ def of_request(obj: dict[str, Any], default_output: int = 256, cap: int | None =
     n = obj.get("n") or 1
     param = "max_completion_tokens" if obj.get("max_completion_tokens") else "max_tokens"
     maximum = obj.get(param)
-    if maximum is not None and _count(maximum, MAX_OUTPUT_TOKENS) is None:
-        if isinstance(maximum, int | float) and not isinstance(maximum, bool) and maximum > 0:
-            raise GatewayError(
-                400,
-                f"Invalid '{param}': {maximum:.6g} is more tokens than any model can produce "
-                f"(at most {MAX_OUTPUT_TOKENS}).",
-                code="invalid_value",
-                param=param,
-            )
+    numeric = isinstance(maximum, int | float) and not isinstance(maximum, bool)
+    if numeric and maximum > 0 and _count(maximum, MAX_OUTPUT_TOKENS) is None:
+        raise GatewayError(
+            400,
+            f"Invalid '{param}': {maximum:.6g} is more tokens than any model can produce "
+            f"(at most {MAX_OUTPUT_TOKENS}).",
+            code="invalid_value",
+            param=param,
+        )
     count = _count(maximum, MAX_OUTPUT_TOKENS)
     max_output = count * int(n) if count is not None else None
     messages = obj.get("messages")
