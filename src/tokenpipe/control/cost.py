@@ -111,7 +111,12 @@ def of_request(obj: dict[str, Any], default_output: int = 256, cap: int | None =
     param = "max_completion_tokens" if obj.get("max_completion_tokens") else "max_tokens"
     maximum = obj.get(param)
     numeric = isinstance(maximum, int | float) and not isinstance(maximum, bool)
-    if numeric and maximum > 0 and _count(maximum, MAX_OUTPUT_TOKENS) is None:
+    if (
+        numeric
+        and maximum is not None
+        and maximum > 0
+        and _count(maximum, MAX_OUTPUT_TOKENS) is None
+    ):
         raise GatewayError(
             400,
             f"Invalid '{param}': {maximum:.6g} is more tokens than any model can produce "
