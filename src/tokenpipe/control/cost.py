@@ -97,12 +97,6 @@ class Cost:
         out = self.max_output if self.max_output is not None else completion
         return self._capped(prompt + out)
 
-    def used(self, usage: dict[str, Any] | None) -> int | None:
-        """What the request actually used (prompt + completion), for a key's own quota: a
-        key is charged for its tokens, not for the max_tokens it asked for."""
-        found = self._usage(usage)
-        return None if found is None else self._capped(sum(found))
-
 
 def of_request(obj: dict[str, Any], default_output: int = 256, cap: int | None = None) -> Cost:
     """Cost of a chat or text completion request body (already validated). Raises a 400

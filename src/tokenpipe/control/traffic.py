@@ -166,5 +166,5 @@ class Ticket:
             self.status = status
         self._release(usage, sent=True)
         if self.grant is not None:
-            self.grant.finish(self.cost.used(usage))
+            self.grant.finish(self.cost.charged(usage))
             self.grant = None
