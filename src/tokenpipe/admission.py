@@ -5,6 +5,10 @@ the budget allows the request again) and `x-ratelimit-*` headers describing the 
 budget, as providers do: the client's SDK then waits exactly as long as needed. (Waiting in
 the gateway is for upstream capacity, which the client cannot see; a key's quota it can.)
 
+A request that could never fit its key's token bucket (its reservation, capped at the
+model's window, exceeds the bucket's whole depth) is refused at once with a 400 naming the
+field to lower: admitted as debt it would lock the key out for as long as the debt lasts.
+
 Rate quotas live in the same `Store` as the upstream buckets (scope `key:NAME`), so with the
 Redis backend they hold across replicas. The concurrency quota is counted per process and
 split evenly across `serve --workers` (a count in Redis would leak on a crash).
@@ -69,12 +73,23 @@ class Admission:
             return None
         return self.quotas[name], self._limits[name]
 
-    async def admit(self, key: str, tokens: float) -> Grant | None:
-        """Admits or raises 429. None: the key has no quota (nothing to give back)."""
+    async def admit(self, key: str, tokens: float, param: str = "max_tokens") -> Grant | None:
+        """Admits or raises 429 (400 when `tokens` exceed the key's whole token budget;
+        `param` names the field that sets them). None: the key has no quota."""
         found = self._quota(key)
         if found is None:
             return None
         quota, limits = found
+        if limits.tokens is not None and tokens > limits.tokens.capacity:
+            metrics.ADMISSION_REJECTED.labels("too_large").inc()
+            raise GatewayError(
+                400,
+                f"This request may use up to {tokens:.0f} tokens (prompt estimate plus "
+                f"'{param}'), more than this API key's whole token budget "
+                f"({limits.tokens.capacity:.0f} tokens); lower '{param}'.",
+                code="invalid_value",
+                param=param,
+            )
         if quota.max_concurrency is not None:
             allowed = max(1, math.floor(quota.max_concurrency * self.share))
             if self.inflight.get(key, 0) >= allowed:

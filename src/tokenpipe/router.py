@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.errors import GatewayError
+from tokenpipe.observe import metrics
 from tokenpipe.upstream.h1 import UpstreamResponse
 from tokenpipe.upstream.http import HttpUpstream
 
@@ -16,6 +17,10 @@ from tokenpipe.upstream.http import HttpUpstream
 class Router:
     def __init__(self, upstreams: list[HttpUpstream]) -> None:
         self.upstreams = upstreams
+        for u in upstreams:
+            for m in u.settings.models:
+                if m != "*":
+                    metrics.allow_model(m)  # configured: a metric label value
 
     async def candidates(self, model: str) -> list[HttpUpstream]:
         found = []
@@ -26,6 +31,11 @@ class Router:
                 serves = await u.serves(model)
             if serves:
                 found.append(u)
+                if not metrics.model_known(model) and "*" in u.settings.models:
+                    # Listed by the upstream (not merely forwarded): a label value too.
+                    listed = await u.listed_models()
+                    if listed is not None and model in listed:
+                        metrics.allow_model(model)
         if not found:
             raise GatewayError(
                 404,

@@ -167,6 +167,9 @@ class LimitsSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrency: PositiveInt = 1024
     #: Output tokens reserved for a request that sets no max_tokens (corrected from usage).
     default_output_tokens: PositiveInt = 256
+    #: Most tokens one request may reserve or be charged (prompt + output) when its model's
+    #: window is unknown; a known window caps it instead.
+    max_request_tokens: PositiveInt = 1_048_576
     #: Gateway processes sharing this config (set by `serve --workers`); with the memory
     #: backend each process enforces 1/workers of every limit.
     workers: PositiveInt = 1

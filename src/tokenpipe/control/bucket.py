@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from tokenpipe.clock import MONOTONIC, Clock
 
+#: Debt a bucket may carry, in bucket depths (a reservation larger than the bucket, or a
+#: correction charging more, stops there).
+MAX_DEBT = 2.0
+
 
 class TokenBucket:
     """`rate` units per second flow into a bucket that holds at most `capacity` units.
@@ -15,6 +19,10 @@ class TokenBucket:
     soon as min(n, capacity) units are there and takes all n, so the level may go negative
     (debt) and a request larger than the bucket still runs once, paid for by the wait of
     the next ones. `give(n)` corrects a reservation afterwards (n < 0 charges more).
+
+    Bound: the level never goes below `-MAX_DEBT x capacity`, so after any reservation,
+    correction or learned level the wait is at most (MAX_DEBT + 1) x capacity / rate: one
+    huge (or hostile) request cannot lock the bucket for days.
     """
 
     __slots__ = ("_level", "_updated", "capacity", "clock", "rate")
@@ -34,6 +42,10 @@ class TokenBucket:
             self._level = min(self.capacity, self._level + (now - self._updated) * self.rate)
         self._updated = now
         return self._level
+
+    @property
+    def _floor(self) -> float:
+        return -MAX_DEBT * self.capacity
 
     @property
     def level(self) -> float:
@@ -66,21 +78,21 @@ class TokenBucket:
         """Like take(), but admits at min(n, capacity) and may leave the level negative."""
         wait = self.wait_for(n)
         if wait == 0.0:
-            self._level -= n
+            self._level = max(self._floor, self._level - n)
         return wait
 
     def give(self, n: float) -> None:
         """Returns n units (a reservation that cost less than reserved); n < 0 charges more."""
-        self._level = min(self.capacity, self._refill() + n)
+        self._level = max(self._floor, min(self.capacity, self._refill() + n))
 
     def set_level(self, level: float) -> None:
         """What the upstream says is left (from its headers) replaces our own count."""
         self._refill()
-        self._level = min(self.capacity, level)
+        self._level = max(self._floor, min(self.capacity, level))
 
     def configure(self, rate: float, capacity: float) -> None:
         """New refill rate and depth, learned or configured; the level is kept (clipped)."""
         self._refill()
         self.rate = rate
         self.capacity = capacity
-        self._level = min(self._level, capacity)
+        self._level = max(self._floor, min(self._level, capacity))

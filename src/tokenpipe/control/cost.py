@@ -3,6 +3,11 @@
 Before sending: prompt tokens (estimated) + max_tokens (or a default when absent). After:
 the upstream's `usage.prompt_tokens` replaces the estimate and, when the request set no
 max_tokens, `usage.completion_tokens` stands in for the output part.
+
+Bounds: every figure is capped at `cap` (the model's context window where known, else
+`limits.max_request_tokens`): no request reserves or is charged more than the most a model
+could ever process, whatever its max_tokens or its upstream's usage says. A max_tokens above
+MAX_OUTPUT_TOKENS is refused at once (400 naming the field).
 """
 
 from __future__ import annotations
@@ -11,10 +16,29 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tokenpipe.errors import GatewayError
+
 #: Tokens added per chat message for role and separators (OpenAI's documented overhead is 3-4).
 PER_MESSAGE = 4
 #: Tokens that prime every chat reply.
 PER_REPLY = 3
+#: Largest max_tokens / max_completion_tokens accepted at all: ten times the largest context
+#: window published (10 M tokens, Llama 4 Scout). Beyond it no model could ever run the
+#: request, so it is refused at once (400) instead of being reserved.
+MAX_OUTPUT_TOKENS = 100_000_000
+#: Usage counts believed from an upstream (tokens); a larger or negative one is ignored.
+MAX_USAGE = 1 << 53
+
+
+def _count(value: Any, bound: float) -> int | None:
+    """A token count: an int (or an integral float, as JSON may spell it) in [0, bound]."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and 0 <= value <= bound:
+        return value
+    return None
 
 
 def estimate_text(text: str) -> int:
@@ -41,30 +65,61 @@ class Cost:
     prompt: int  # estimated prompt tokens
     max_output: int | None  # the request's max_tokens / max_completion_tokens, if any
     default_output: int  # reserved for the output when the request sets no maximum
+    #: Most tokens any figure here may be (the model's window, or the configured bound).
+    cap: int | None = None
+    #: The request field that sets the output part (named by a 400 when it is too large).
+    output_param: str = "max_tokens"
+
+    def _capped(self, n: int) -> int:
+        return n if self.cap is None else min(n, self.cap)
 
     @property
     def tokens(self) -> int:
         """The reservation made before sending."""
         out = self.max_output if self.max_output is not None else self.default_output
-        return self.prompt + out
+        return self._capped(self.prompt + out)
 
-    def charged(self, usage: dict[str, Any] | None) -> int | None:
-        """What the upstream counted, from `usage` (None when there is none)."""
+    def _usage(self, usage: dict[str, Any] | None) -> tuple[int, int] | None:
         if not usage:
             return None
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens") or 0
-        if not isinstance(prompt, int):
+        prompt = _count(usage.get("prompt_tokens"), MAX_USAGE)
+        if prompt is None:
             return None
-        out = self.max_output if self.max_output is not None else int(completion)
-        return prompt + out
+        return prompt, _count(usage.get("completion_tokens"), MAX_USAGE) or 0
+
+    def charged(self, usage: dict[str, Any] | None) -> int | None:
+        """What the upstream counted for its token bucket, from `usage` (None when there is
+        none or it is malformed): providers count max_tokens, not the output."""
+        found = self._usage(usage)
+        if found is None:
+            return None
+        prompt, completion = found
+        out = self.max_output if self.max_output is not None else completion
+        return self._capped(prompt + out)
 
 
-def of_request(obj: dict[str, Any], default_output: int = 256) -> Cost:
-    """Cost of a chat or text completion request body (already validated)."""
+def of_request(obj: dict[str, Any], default_output: int = 256, cap: int | None = None) -> Cost:
+    """Cost of a chat or text completion request body (already validated). Raises a 400
+    GatewayError for a max_tokens no model could run (above MAX_OUTPUT_TOKENS)."""
     n = obj.get("n") or 1
-    maximum = obj.get("max_completion_tokens") or obj.get("max_tokens")
-    max_output = int(maximum) * int(n) if isinstance(maximum, int) else None
+    param = "max_completion_tokens" if obj.get("max_completion_tokens") else "max_tokens"
+    maximum = obj.get(param)
+    numeric = isinstance(maximum, int | float) and not isinstance(maximum, bool)
+    if (
+        numeric
+        and maximum is not None
+        and maximum > 0
+        and _count(maximum, MAX_OUTPUT_TOKENS) is None
+    ):
+        raise GatewayError(
+            400,
+            f"Invalid '{param}': {maximum:.6g} is more tokens than any model can produce "
+            f"(at most {MAX_OUTPUT_TOKENS}).",
+            code="invalid_value",
+            param=param,
+        )
+    count = _count(maximum, MAX_OUTPUT_TOKENS)
+    max_output = count * int(n) if count is not None else None
     messages = obj.get("messages")
     if isinstance(messages, list):
         prompt = (
@@ -86,4 +141,8 @@ def of_request(obj: dict[str, Any], default_output: int = 256) -> Cost:
             )
         else:
             prompt = 0
-    return Cost(prompt, max_output, default_output * int(n))
+    if max_output is None and not isinstance(messages, list):
+        param = "prompt"
+    elif max_output is None:
+        param = "messages"
+    return Cost(prompt, max_output, default_output * int(n), cap, param)

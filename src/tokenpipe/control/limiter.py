@@ -24,12 +24,15 @@ from dataclasses import dataclass, field
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control import ratelimit_headers
 from tokenpipe.control.aimd import AIMDLimit
+from tokenpipe.control.bounds import ClampLog
 from tokenpipe.control.ratelimit_headers import Reading, go_duration
 from tokenpipe.control.store import Decision, Limits, Spec, Store
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
 
 log = logging.getLogger("tokenpipe.limiter")
+#: Out-of-range rate-limit headers: one line per (upstream, kind) per minute, all limiters.
+_clamp_log = ClampLog(log)
 
 #: Statuses that mean "send less": they shrink the concurrency limit.
 DROP_STATUSES = frozenset({429, 503, 504})
@@ -225,6 +228,8 @@ class Limiter:
             if self.learn_enabled or status == 429
             else None
         )
+        if info is not None and info.notes:
+            _clamp_log.report(self.name, info.notes)
         if info and self.learn_enabled:
             self.limits = Limits(
                 _learned(self.limits.requests, info.requests),

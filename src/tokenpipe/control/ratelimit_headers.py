@@ -5,15 +5,23 @@ OpenAI: `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`, resets as Go du
 input-tokens,output-tokens}-{limit,remaining,reset}`, resets as RFC 3339 instants. Both:
 `retry-after` (seconds or an HTTP date) and `retry-after-ms`. Pure functions; the wall clock
 (for absolute resets) is passed in so tests fix it.
+
+Nothing is believed unbounded (see `bounds`): non-finite, negative and unparsable values are
+left out, a limit below `MIN_LIMIT` is left out (0 would block the upstream forever), pauses
+are capped at `MAX_PAUSE`, resets at `MAX_RESET`, counts at `MAX_COUNT`. `RateLimits.notes`
+says what was dropped or clamped, for a rate-limited log line.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from email.utils import parsedate_to_datetime
+
+from tokenpipe.control.bounds import MAX_COUNT, MAX_PAUSE, MAX_RESET, MIN_LIMIT, show
 
 #: The period both providers' `limit` headers refer to (seconds): requests/tokens per minute.
 WINDOW = 60.0
@@ -53,7 +61,10 @@ class Reading:
 @dataclass(slots=True)
 class RateLimits:
     readings: dict[str, Reading] = field(default_factory=dict)  # by kind: requests, tokens, ...
-    retry_after: float | None = None  # seconds
+    retry_after: float | None = None  # seconds, at most MAX_PAUSE
+    #: (kind, what was done) for each value dropped or clamped; kind is one of a fixed set
+    #: ("retry-after", "limit", "remaining", "reset"), so a log limiter keyed by it is bounded.
+    notes: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def requests(self) -> Reading | None:
@@ -74,9 +85,11 @@ def parse_duration(text: str) -> float | None:
     if not text:
         return None
     try:
-        return max(0.0, float(text))
+        bare = float(text)
     except ValueError:
         pass
+    else:
+        return bare if math.isfinite(bare) and bare >= 0 else None
     total = 0.0
     end = 0
     for m in _GO_DURATION.finditer(text):
@@ -84,40 +97,66 @@ def parse_duration(text: str) -> float | None:
             return None
         total += float(m.group(1)) * _UNIT[m.group(2)]
         end = m.end()
-    return total if end == len(text) and end > 0 else None
+    ok = end == len(text) and end > 0 and math.isfinite(total)
+    return total if ok else None
 
 
 def parse_instant(text: str, now_wall: float) -> float | None:
     """An RFC 3339 instant (`2024-05-01T12:00:05Z`) as seconds from now (>= 0)."""
     try:
         when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
+        if when.tzinfo is None:
+            return None
+        return max(0.0, when.timestamp() - now_wall)
+    except (ValueError, OverflowError):
         return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - now_wall)
 
 
 def parse_retry_after(value: str, now_wall: float) -> float | None:
-    """`retry-after`: seconds (integer or decimal) or an HTTP date, as seconds from now."""
+    """`retry-after`: seconds (integer or decimal) or an HTTP date, as seconds from now.
+    Unbounded (the caller caps it); None for negative, non-finite or unparsable values."""
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return seconds if math.isfinite(seconds) and seconds >= 0 else None
     try:
         return max(0.0, parsedate_to_datetime(value).timestamp() - now_wall)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
 
 
 def _number(text: str | None) -> float | None:
+    """A finite number >= 0, else None."""
     if text is None:
         return None
     try:
-        return float(text)
+        x = float(text)
     except ValueError:
         return None
+    return x if math.isfinite(x) and x >= 0 else None
+
+
+def _bounded(
+    notes: list[tuple[str, str]],
+    what: str,
+    text: str | None,
+    x: float | None,
+    low: float,
+    high: float,
+) -> float | None:
+    """x within [low, high]; None (noted) when unparsable or below low, clamped (noted) above."""
+    if text is None:
+        return None
+    if x is None or x < low:
+        notes.append((what, f"{what} {show(text)} ignored"))
+        return None
+    if x > high:
+        notes.append((what, f"{what} {show(text)} clamped to {high:g}"))
+        return high
+    return x
 
 
 def parse(headers: Mapping[str, str], now_wall: float) -> RateLimits:
@@ -145,19 +184,27 @@ def parse(headers: Mapping[str, str], now_wall: float) -> RateLimits:
         for fields, instant in ((openai.get(kind), False), (anthropic.get(kind), True)):
             if not fields:
                 continue
-            reading = Reading(_number(fields.get("limit")), _number(fields.get("remaining")))
+            notes = out.notes
+            lim, rem = fields.get("limit"), fields.get("remaining")
+            reading = Reading(
+                _bounded(notes, "limit", lim, _number(lim), MIN_LIMIT, MAX_COUNT),
+                _bounded(notes, "remaining", rem, _number(rem), 0.0, MAX_COUNT),
+            )
             if reading.limit is None and reading.remaining is None:
                 continue
             reset = fields.get("reset")
             if reset is not None:
-                reading.reset = parse_instant(reset, now_wall) if instant else parse_duration(reset)
+                secs = parse_instant(reset, now_wall) if instant else parse_duration(reset)
+                reading.reset = _bounded(notes, "reset", reset, secs, 0.0, MAX_RESET)
             out.readings[kind] = reading
             break  # OpenAI's headers win over Anthropic's for the same kind
-    ms = _number(retry_after_ms)
-    if ms is not None:
-        out.retry_after = max(0.0, ms / 1000.0)
-    elif retry_after is not None:
-        out.retry_after = parse_retry_after(retry_after, now_wall)
+    if retry_after_ms is not None:
+        ms = _number(retry_after_ms)
+        secs = None if ms is None else ms / 1000.0
+        out.retry_after = _bounded(out.notes, "retry-after", retry_after_ms, secs, 0.0, MAX_PAUSE)
+    if out.retry_after is None and retry_after is not None:
+        secs = parse_retry_after(retry_after, now_wall)
+        out.retry_after = _bounded(out.notes, "retry-after", retry_after, secs, 0.0, MAX_PAUSE)
     return out
 
 

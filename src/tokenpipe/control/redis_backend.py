@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 import uuid
@@ -25,6 +26,8 @@ from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.control.bounds import MAX_PAUSE, finite
+from tokenpipe.control.bucket import MAX_DEBT
 from tokenpipe.control.store import Decision, Limits, MemoryStore
 from tokenpipe.observe import metrics
 
@@ -48,23 +51,30 @@ KEY_TTL = 86_400
 _NOW = """
 local t = redis.call('TIME')
 local now = (tonumber(t[1]) - 1700000000) + tonumber(t[2]) / 1000000
+-- What another replica wrote may be garbage, NaN or infinite (hostile or older code):
+-- every field read is checked and bounded as the local buckets are.
+local function num(x, default)
+  x = tonumber(x)
+  if x == nil or x ~= x or x == math.huge or x == -math.huge then return default end
+  return x
+end
 local function level(l, u, rate, cap)
-  if not l then return cap end
-  l = tonumber(l)
-  if l >= cap then return cap end
-  return math.min(cap, l + math.max(0, now - tonumber(u)) * rate)
+  l = num(l, nil)
+  if l == nil or l >= cap then return cap end
+  l = math.max(-MAX_DEBT * cap, l)
+  return math.min(cap, l + math.max(0, now - num(u, now)) * rate)
 end
 local rr, rc, tr, tc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local h = redis.call('HMGET', KEYS[1], 'rl', 'ru', 'tl', 'tu', 'rs', 'ts', 'pu', 'ep')
 local ep = h[8]
-if not ep then
+if not ep or not string.match(ep, '^%d+$') or string.len(ep) > 18 then
   ep = string.format('%d', math.floor(now * 1000000))
   redis.call('HSET', KEYS[1], 'ep', ep)
 end
 local rl, tl = nil, nil
 if rr > 0 then rl = level(h[1], h[2], rr, rc) end
 if tr > 0 then tl = level(h[3], h[4], tr, tc) end
-local rs, ts = tonumber(h[5]) or 0, tonumber(h[6]) or 0
+local rs, ts = num(h[5], 0), num(h[6], 0)
 """
 _SAVE = """
 if rl then redis.call('HSET', KEYS[1], 'rl', rl, 'ru', now) end
@@ -78,7 +88,11 @@ RESERVE = (
     + """
 local n = tonumber(ARGV[5])
 local wait = 0
-local pu = tonumber(h[7]) or 0
+local pu = num(h[7], 0)
+if pu > now + MAX_PAUSE then
+  pu = now + MAX_PAUSE
+  redis.call('HSET', KEYS[1], 'pu', pu)
+end
 if pu > now then wait = pu - now end
 if rl and rl < 1 then wait = math.max(wait, (1 - rl) / rr) end
 if tl then
@@ -88,8 +102,8 @@ end
 if wait == 0 then
   rs = rs + 1
   ts = ts + n
-  if rl then rl = rl - 1 end
-  if tl then tl = tl - n end
+  if rl then rl = math.max(-MAX_DEBT * rc, rl - 1) end
+  if tl then tl = math.max(-MAX_DEBT * tc, tl - n) end
   redis.call('HSET', KEYS[1], 'rs', rs, 'ts', ts)
 end
 """
@@ -107,12 +121,12 @@ local same = tonumber(ARGV[9]) == tonumber(ep)
 if rl and ARGV[5] ~= '' then
   local after = 0
   if same then after = rs - tonumber(ARGV[7]) end
-  rl = math.min(rc, tonumber(ARGV[5]) - after)
+  rl = math.max(-MAX_DEBT * rc, math.min(rc, tonumber(ARGV[5]) - after))
 end
 if tl and ARGV[6] ~= '' then
   local after = 0
   if same then after = ts - tonumber(ARGV[8]) end
-  tl = math.min(tc, tonumber(ARGV[6]) - after)
+  tl = math.max(-MAX_DEBT * tc, math.min(tc, tonumber(ARGV[6]) - after))
 end
 """
     + _SAVE
@@ -125,8 +139,8 @@ return 1
 GIVE = (
     _NOW
     + """
-if rl then rl = math.min(rc, rl + tonumber(ARGV[5])) end
-if tl then tl = math.min(tc, tl + tonumber(ARGV[6])) end
+if rl then rl = math.max(-MAX_DEBT * rc, math.min(rc, rl + tonumber(ARGV[5]))) end
+if tl then tl = math.max(-MAX_DEBT * tc, math.min(tc, tl + tonumber(ARGV[6]))) end
 """
     + _SAVE
     + """
@@ -139,10 +153,22 @@ PAUSE = """
 local t = redis.call('TIME')
 local now = (tonumber(t[1]) - 1700000000) + tonumber(t[2]) / 1000000
 local pu = tonumber(redis.call('HGET', KEYS[1], 'pu')) or 0
-redis.call('HSET', KEYS[1], 'pu', math.max(pu, now + tonumber(ARGV[1])))
+if pu ~= pu then pu = 0 end
+local s = math.min(tonumber(ARGV[1]), MAX_PAUSE)
+redis.call('HSET', KEYS[1], 'pu', math.min(math.max(pu, now + s), now + MAX_PAUSE))
 redis.call('EXPIRE', KEYS[1], KEY_TTL)
 return 1
-""".replace("KEY_TTL", str(KEY_TTL))
+"""
+
+
+def _bounded(script: str) -> str:
+    """The script with the bounds shared with the local buckets filled in."""
+    for name, value in (("MAX_DEBT", MAX_DEBT), ("MAX_PAUSE", MAX_PAUSE), ("KEY_TTL", KEY_TTL)):
+        script = script.replace(name, repr(value))
+    return script
+
+
+RESERVE, LEARN, GIVE, PAUSE = (_bounded(x) for x in (RESERVE, LEARN, GIVE, PAUSE))
 
 
 def _spec_args(limits: Limits) -> list[float]:
@@ -157,7 +183,21 @@ def _spec_args(limits: Limits) -> list[float]:
 
 def _num(s: bytes | str) -> float | None:
     text = s.decode() if isinstance(s, bytes) else s
-    return float(text) if text else None
+    if not text:
+        return None
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"non-finite value {text[:20]!r}")
+    return x
+
+
+def _decision(res: list[bytes]) -> Decision:
+    """RESERVE's answer, checked: a malformed one raises ValueError (never a NaN wait)."""
+    wait, rs, ts, rl, tl, ep = res
+    w = _num(wait) or 0.0
+    if w < 0:
+        raise ValueError("negative wait")
+    return Decision(w, _num(rs) or 0.0, _num(ts) or 0.0, _num(rl), _num(tl), int(ep))
 
 
 class RedisStore:
@@ -212,12 +252,11 @@ class RedisStore:
                 res = await self._reserve(
                     keys=[self._key(scope)], args=[*_spec_args(limits), tokens]
                 )
-                wait, rs, ts, rl, tl, ep = res
-                return Decision(
-                    _num(wait) or 0.0, _num(rs) or 0.0, _num(ts) or 0.0, _num(rl), _num(tl), int(ep)
-                )
+                return _decision(res)
             except (TimeoutError, RedisError, OSError) as e:
                 self._down(e)
+            except (ValueError, TypeError) as e:  # not our scripts' answer: decide locally
+                log.warning("redis answered a malformed decision for %s (%s)", scope, e)
         return self.fallback.reserve_now(scope, limits, tokens)
 
     async def learn(
@@ -228,6 +267,8 @@ class RedisStore:
         remaining_tokens: float | None,
         since: Decision | None,
     ) -> None:
+        # Only finite levels go to Redis (the parser bounds them; this is the last gate).
+        remaining_requests, remaining_tokens = finite(remaining_requests), finite(remaining_tokens)
         if self.healthy:
             try:
                 args: list[str | float] = [
@@ -246,6 +287,7 @@ class RedisStore:
             self.fallback.learn_now(scope, limits, remaining_requests, remaining_tokens, since)
 
     async def pause(self, scope: str, seconds: float) -> None:
+        seconds = min(seconds, MAX_PAUSE) if seconds > 0 else 0.0  # NaN: no pause
         self.fallback.pause_now(scope, seconds)  # kept locally too, for a fallback to honour
         if self.healthy:
             try:

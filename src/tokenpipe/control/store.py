@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.control.bounds import MAX_PAUSE, finite
 from tokenpipe.control.bucket import TokenBucket
 
 
@@ -169,6 +170,8 @@ class MemoryStore:
         since: Decision | None,
     ) -> None:
         s = self._scope(scope, limits)
+        # Only finite levels are believed (bucket.set_level bounds them to the bucket).
+        remaining_requests, remaining_tokens = finite(remaining_requests), finite(remaining_tokens)
         same = since is not None and since.origin == self.origin
         if s.requests is not None and remaining_requests is not None:
             after = s.seq_requests - since.seq_requests if same and since else 0.0
@@ -191,6 +194,8 @@ class MemoryStore:
         self.pause_now(scope, seconds)
 
     def pause_now(self, scope: str, seconds: float) -> None:
+        """Holds the scope for `seconds`, at most MAX_PAUSE (NaN: not at all)."""
+        seconds = min(seconds, MAX_PAUSE) if seconds > 0 else 0.0
         s = self._scopes.setdefault(scope, _Scope())
         s.paused_until = max(s.paused_until, self.clock.now() + seconds)
 

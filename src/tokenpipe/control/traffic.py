@@ -14,6 +14,7 @@ from typing import Any
 from tokenpipe import usage as usage_mod
 from tokenpipe.admission import Admission, Grant
 from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.context.windows import known_window
 from tokenpipe.control import cost as cost_mod
 from tokenpipe.control.aimd import AIMDLimit
 from tokenpipe.control.limiter import Limiter, Permit
@@ -86,17 +87,25 @@ class TrafficControl:
         if unknown:
             log.warning("limits.upstreams names no configured upstream: %s", ", ".join(unknown))
 
+    def cost(self, request: dict[str, Any]) -> cost_mod.Cost:
+        """The request's cost, capped at its model's published window, else at
+        `limits.max_request_tokens` (a window learned from the upstream has already lowered
+        max_tokens in the context hop). 400 for a max_tokens no model could run."""
+        model = request.get("model")
+        window = known_window(model) if isinstance(model, str) else None
+        cap = window or self.settings.max_request_tokens
+        return cost_mod.of_request(request, self.settings.default_output_tokens, cap)
+
     async def admit(self, key: str, request: dict[str, Any]) -> Ticket:
         """Per-key quota check (429 when over), then a ticket for the upstream limiters."""
-        c = cost_mod.of_request(request, self.settings.default_output_tokens)
-        grant = await self.admission.admit(key, c.tokens)
+        c = self.cost(request)
+        grant = await self.admission.admit(key, c.tokens, c.output_param)
         return Ticket(self, key, c, grant)
 
     def internal(self, request: dict[str, Any]) -> Ticket:
         """A ticket for the gateway's own upstream calls (context summaries): they spend the
         upstream's rate limits like any request, but no client's quota."""
-        c = cost_mod.of_request(request, self.settings.default_output_tokens)
-        return Ticket(self, INTERNAL_KEY, c, None)
+        return Ticket(self, INTERNAL_KEY, self.cost(request), None)
 
     async def start(self) -> None:
         await self.store.start()

@@ -26,8 +26,46 @@ _CHILDREN_MAX = 10_000
 _children: dict[tuple[object, tuple[str, ...]], Any] = {}
 
 
+#: Label values are bounded (a client must not be able to grow /metrics):
+#: - model: only names configured or listed by an upstream (`allow_model`), at most
+#:   MAX_MODEL_LABELS of them; any other name is folded into OTHER.
+#: - status: HTTP statuses 100-599 (at most 500 values); anything else is OTHER.
+#: - upstream: configured names only (bounded by the config). kind, reason, outcome,
+#:   policy: fixed sets named in each metric's help. No label carries a key, tenant or path.
+MAX_MODEL_LABELS = 1000
+OTHER = "other"
+_models: set[str] = set()
+#: Position of the model / status label in each metric that has one (filled below).
+_model_at: dict[object, int] = {}
+_status_at: dict[object, int] = {}
+
+
+def allow_model(name: str) -> None:
+    """`name` was configured or listed by an upstream: it may be a label value."""
+    if name not in _models and len(_models) < MAX_MODEL_LABELS:
+        _models.add(name)
+
+
+def model_known(name: str) -> bool:
+    return name in _models
+
+
+def model_label(name: str) -> str:
+    return name if name in _models else OTHER
+
+
+def _status_label(value: str) -> str:
+    return value if len(value) == 3 and value.isdigit() and "1" <= value[0] <= "5" else OTHER
+
+
 def child(metric: Any, *values: str) -> Any:
-    """`metric.labels(*values)`, cached."""
+    """`metric.labels(*values)`, cached, with model and status values bounded (above)."""
+    at = _model_at.get(metric)
+    if at is not None and values[at] not in _models:
+        values = (*values[:at], OTHER, *values[at + 1 :])
+    at = _status_at.get(metric)
+    if at is not None:
+        values = (*values[:at], _status_label(values[at]), *values[at + 1 :])
     key = (metric, values)
     found = _children.get(key)
     if found is None:
@@ -135,6 +173,17 @@ ADMISSION_REJECTED = Counter(
 )
 
 
+def _index_labels() -> None:
+    for metric in list(globals().values()):
+        names = getattr(metric, "labelnames", None) or getattr(metric, "_labelnames", None)
+        if not isinstance(names, tuple):
+            continue
+        if "model" in names:
+            _model_at[metric] = names.index("model")
+        if "status" in names:
+            _status_at[metric] = names.index("status")
+
+
 def render() -> bytes:
     return generate_latest(REGISTRY)
 
@@ -213,3 +262,5 @@ UPSTREAM_STATE = Gauge(
     ("upstream",),
     registry=REGISTRY,
 )
+
+_index_labels()
