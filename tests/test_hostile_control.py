@@ -255,6 +255,21 @@ async def test_a_huge_max_tokens_is_refused_and_never_locks_the_key_out(
                     assert r.status == 200, (r.status, dict(r.headers), await r.text())
 
 
+async def test_a_key_is_charged_what_its_usage_says_not_its_max_tokens(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    """Five requests that each reserve 4,000 of a 6,000-token minute but use 3 tokens (the
+    upstream's usage): charged by max_tokens the second would be refused; by usage all pass."""
+    upstream.hostile = False
+    cfg = _config(tmp_path, upstream, 'keys:\n  "*": {tpm: 6000}\n')
+    with procs.gateway("--config", cfg) as gw:
+        url = gw.url + "/v1/chat/completions"
+        async with aiohttp.ClientSession() as s:
+            for _ in range(5):
+                async with s.post(url, json=_body(max_tokens=4000)) as r:
+                    assert r.status == 200, (r.status, dict(r.headers), await r.text())
+
+
 async def test_3000_client_model_names_keep_metrics_under_1_mb(
     upstream: Upstream, tmp_path: Path
 ) -> None:

@@ -97,6 +97,12 @@ class Cost:
         out = self.max_output if self.max_output is not None else completion
         return self._capped(prompt + out)
 
+    def used(self, usage: dict[str, Any] | None) -> int | None:
+        """The tokens the request really used (prompt + completion, from `usage`; None when
+        there is none or it is malformed): what a key's own quota is charged in the end."""
+        found = self._usage(usage)
+        return None if found is None else self._capped(found[0] + found[1])
+
 
 def of_request(obj: dict[str, Any], default_output: int = 256, cap: int | None = None) -> Cost:
     """Cost of a chat or text completion request body (already validated). Raises a 400

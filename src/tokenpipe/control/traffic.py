@@ -176,6 +176,8 @@ class Ticket:
             if grant is not None:
                 charged = None
                 try:
-                    charged = self.cost.charged(usage)
+                    # A key is charged what it used; the upstream's bucket (above) what the
+                    # provider counts (max_tokens). Its reservation was capped either way.
+                    charged = self.cost.used(usage)
                 finally:
                     grant.finish(charged)
