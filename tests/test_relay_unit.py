@@ -83,8 +83,28 @@ def test_shapes_the_typed_decode_refuses_are_judged_on_the_dict() -> None:
 
 @pytest.mark.parametrize("bad", [b"data: {not json\n\n", b"data: [1,2]\n\n"])
 def test_broken_events_are_protocol_errors(bad: bytes) -> None:
+    good = _chunk({"content": "x"})
+    tally = StreamTally("u", "m", time.perf_counter())
+    parser = EventParser(tally, False)
+    # The good event before the bad one in the same read is kept; the one after it is not.
+    pieces = parser.feed(good + bad + good)
+    assert [p.text for p in pieces] == ["x"]
     with pytest.raises(sse.SSEProtocolError):
-        _parse([bad], False)
+        parser.at_end()
+    with pytest.raises(sse.SSEProtocolError):
+        parser.feed(good)  # nothing after the fault is parsed
+
+
+def test_crlf_split_between_cr_and_lf_inside_a_multi_line_event() -> None:
+    body = b'data: {"choices":[{"index":0,\r\ndata: "delta":{"content":"x"}}]}\r\n\r\n'
+    cut = body.index(b"\r\n") + 1
+    pieces, _ = _parse([body[:cut], body[cut:]], False)
+    assert [p.text for p in pieces] == ["x"]
+
+
+def test_nothing_after_done_is_passed_on() -> None:
+    pieces, tally = _parse([sse.DONE_EVENT + _chunk({"content": "late"}) + sse.DONE_EVENT], False)
+    assert [p.event() for p in pieces] == [sse.DONE_EVENT] and tally.done
 
 
 def test_crlf_and_comment_events_pass() -> None:

@@ -38,7 +38,8 @@ from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
-from tokenpipe.upstream.h1 import UpstreamResponse
+from tokenpipe.upstream.h1 import UpstreamProtocolError, UpstreamResponse
+from tokenpipe.upstream.http import PROTOCOL_ERROR
 
 if TYPE_CHECKING:
     from tokenpipe.tail import StreamGuard
@@ -168,11 +169,23 @@ class Piece:
         self.size = (len(raw) if raw is not None else 0) + PIECE_OVERHEAD
 
     def mergeable(self) -> bool:
-        """Parses the piece's JSON the first time it is asked (only a queued piece is)."""
+        """Parses the piece's JSON the first time it is asked (only a queued piece is).
+
+        The typed decode that let it through skips the fields it does not act on without
+        checking them; a number there out of a double's range (`1e400`) or nesting deeper
+        than orjson goes only shows now. That is the upstream's broken JSON: an
+        SSEProtocolError (the reader's, as for any event it cannot read). A piece that parses
+        but could not be written again (nested too deep to serialise) is passed on as it came."""
         if self.may_merge:
             self.may_merge = False
             assert self.raw is not None
-            obj = orjson.loads(self.raw[6:-2])
+            try:
+                obj = orjson.loads(self.raw[6:-2])
+                orjson.dumps(obj)  # a merged event is rebuilt from it: it must serialise
+            except orjson.JSONEncodeError:
+                return False
+            except (orjson.JSONDecodeError, RecursionError):
+                raise sse.SSEProtocolError(_NOT_VALID_JSON) from None
             key = _mergeable(obj, obj["choices"])
             if key:
                 self.template = obj
@@ -263,6 +276,7 @@ class _Chunk(msgspec.Struct):
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 UNSET = msgspec.UNSET
+_NOT_VALID_JSON = "upstream sent an event that is not valid JSON"
 _NULL_USAGE = b',"usage":null'
 
 
@@ -278,9 +292,17 @@ def _has_content(choices: list[_Choice]) -> bool:
 
 
 class EventParser:
-    """Upstream socket reads -> pieces, recording usage and the end of the stream."""
+    """Upstream socket reads -> pieces, recording usage and the end of the stream.
 
-    __slots__ = ("decoder", "record", "strip_usage", "tally")
+    Two things stop it, and after either nothing more of the upstream's bytes becomes a piece
+    (what a read held past that point is dropped, and so is every later read): a terminal event
+    (`[DONE]`, or the upstream's own error event), which sets `ended`; and an event it cannot
+    read (not JSON, a number out of a double's range, nesting too deep, an SSE event over its
+    bound), which sets `fault`. `feed` returns the pieces before either; the reader delivers
+    them and then asks `at_end()`, which raises the fault. So the client gets every event up to
+    the fault in order, then the one error event, and never an event from after it."""
+
+    __slots__ = ("decoder", "ended", "fault", "record", "strip_usage", "tally")
 
     def __init__(self, tally: StreamTally, strip_usage: bool) -> None:
         self.tally = tally
@@ -291,22 +313,42 @@ class EventParser:
         #: usage-only chunk again so the client gets exactly what it asked for.
         self.strip_usage = strip_usage
         self.decoder = sse.SSEDecoder()
+        self.ended = False  # a terminal event was seen
+        self.fault: sse.SSEProtocolError | None = None  # the first event that could not be read
+
+    def at_end(self) -> bool:
+        """True once a terminal event was seen; raises the fault once there is one."""
+        if self.fault is not None:
+            raise self.fault
+        return self.ended
+
+    def _fail(self, why: str) -> None:
+        self.fault = sse.SSEProtocolError(why)
 
     def texts(self) -> list[str]:
-        """The text of each content delta recorded so far (parsed only now: rarely needed)."""
+        """The text of each content delta recorded so far (parsed only now: rarely needed).
+        Empty if one of them cannot be parsed (then the stream is not continued)."""
         out = []
-        for data in self.record or ():
-            obj = orjson.loads(data)
-            out.append(_choice_text(obj["choices"][0]))
+        try:
+            for data in self.record or ():
+                obj = orjson.loads(data)
+                out.append(_choice_text(obj["choices"][0]))
+        except (orjson.JSONDecodeError, RecursionError):
+            return []
         return out
 
     def feed(self, chunk: bytes) -> list[Piece]:
+        """The pieces of one read, up to a terminal event or a fault (see the class)."""
+        if self.ended:
+            return []
+        if self.fault is not None:
+            raise self.fault
         # Fast path: a read holding exactly one whole event of the usual shape.
         data = self.decoder.feed_one(chunk)
         if data is not None and data != sse.DONE:
             try:
                 c = _decode_chunk(data)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 pass  # another shape, or not JSON: the general path judges it
             else:
                 piece = self._typed(c, data, chunk)
@@ -318,19 +360,26 @@ class EventParser:
                 out.append(Piece(b": " + data + b"\n\n"))
                 continue
             if data == sse.DONE:
-                tally.done = True
+                tally.done = self.ended = True
                 out.append(Piece(sse.DONE_EVENT))
-                continue
+                return out
             try:
                 c = _decode_chunk(data)
             except msgspec.ValidationError:
-                piece = self._general(data)  # valid JSON of another shape
-            except msgspec.DecodeError:
-                raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
+                piece = self._general(data)  # JSON of another shape, or numbers out of range
+            except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deep
+                self._fail("upstream sent an event that is not JSON")
+                return out
             else:
                 piece = self._typed(c, data, None)
+            if self.fault is not None:
+                return out
             if piece is not None:
                 out.append(piece)
+                if self.ended:  # the upstream's error event
+                    return out
+        if self.decoder.fault is not None:
+            self.fault = self.decoder.fault
         return out
 
     def _typed(self, c: _Chunk, data: bytes, raw: bytes | None) -> Piece | None:
@@ -349,7 +398,11 @@ class EventParser:
                 if raw is not None and len(cut := raw.replace(_NULL_USAGE, b"", 1)) != len(raw):
                     raw, data = cut, cut[6:-2]
                 else:
-                    raw, data = None, _without_usage(data)
+                    stripped = _without_usage(data)
+                    if stripped is None:
+                        self._fail(_NOT_VALID_JSON)
+                        return None
+                    raw, data = None, stripped
         if raw is None:
             raw = b"data: " + data + b"\n\n"
         choices = c.choices
@@ -357,7 +410,7 @@ class EventParser:
             piece = Piece(raw)
             if isinstance(c.error, dict):
                 piece.error = c.error
-                tally.finished = True
+                tally.finished = self.ended = True
             return piece
         first = choices[0]
         if len(choices) == 1:
@@ -397,9 +450,14 @@ class EventParser:
         """A JSON event of a shape the typed decode refused: judged on the dict. Fields of
         unexpected types are passed through, not acted on."""
         tally = self.tally
-        obj = orjson.loads(data)
+        try:
+            obj = orjson.loads(data)
+        except (orjson.JSONDecodeError, RecursionError):  # e.g. 1e999: not a double
+            self._fail(_NOT_VALID_JSON)
+            return None
         if type(obj) is not dict:
-            raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+            self._fail("upstream sent an event that is not a JSON object")
+            return None
         choices = obj.get("choices")
         if not (isinstance(choices, list) and all(type(c) is dict for c in choices)):
             choices = None
@@ -411,7 +469,11 @@ class EventParser:
                 if not choices:
                     return None  # the usage-only chunk the client did not ask for
                 del obj["usage"]
-                data = orjson.dumps(obj)
+                try:
+                    data = orjson.dumps(obj)
+                except orjson.JSONEncodeError:  # nested deeper than orjson writes
+                    self._fail("upstream sent an event nested too deep to pass on")
+                    return None
         piece = Piece(b"data: " + data + b"\n\n")
         if choices:
             try:
@@ -427,16 +489,21 @@ class EventParser:
                 tally.finished = True
         elif isinstance(obj.get("error"), dict):
             piece.error = obj["error"]
-            tally.finished = True
+            tally.finished = self.ended = True
         return piece
 
 
-def _without_usage(data: bytes) -> bytes:
+def _without_usage(data: bytes) -> bytes | None:
+    """The chunk without its `usage`; None if orjson cannot read or write it (msgspec skips
+    the fields it does not decode without checking their numbers or depth)."""
     cut = data.replace(_NULL_USAGE, b"", 1)
     if len(cut) == len(data):
-        obj = orjson.loads(data)
-        del obj["usage"]
-        cut = orjson.dumps(obj)
+        try:
+            obj = orjson.loads(data)
+            del obj["usage"]
+            cut = orjson.dumps(obj)
+        except (orjson.JSONDecodeError, orjson.JSONEncodeError, RecursionError):
+            return None
     return cut
 
 
@@ -652,7 +719,9 @@ async def read_upstream(
     try:
         while True:
             error, uresp = await _read_one(uresp, parser, acc, guard)
-            if error is None or guard is None or tally.finished:
+            # Broken bytes are not continued: the same upstream would be asked again, and what
+            # the broken event held is unknown.
+            if error is None or guard is None or tally.finished or error.code == PROTOCOL_ERROR:
                 break
             resumed = await guard.resume(error, parser, acc, uresp)
             if resumed is None:
@@ -672,26 +741,32 @@ async def _read_one(
 ) -> tuple[GatewayError | None, UpstreamResponse]:
     """Reads one upstream response to its end; returns why it ended early, if it did, and
     the response it read last (a hedge or retry may have taken over before content)."""
-    tally = parser.tally
     try:
         if guard is None:
             async for chunk in uresp.iter_any():
                 pieces = parser.feed(chunk)
-                if pieces and acc.deliver(pieces):
+                over = bool(pieces) and acc.deliver(pieces)
+                if parser.at_end():
+                    break
+                if over:
                     await acc.wait_below_low()
         else:
             if not guard.raced:
                 guard.raced = True
                 uresp = await guard.first_content(uresp, parser, acc)
             await _read_guarded(uresp, parser, acc, guard)
-        if not tally.done:
+        if not parser.ended:
             return GatewayError(
                 502, "the upstream ended the stream early", code="upstream_stream_truncated"
             ), uresp
+        # [DONE] (or the upstream's error event) ends the stream: whatever the upstream sends
+        # after it is not waited for. Its connection goes back to the pool if the body ended.
+        uresp.close()
     except GatewayError as e:  # no first token from any attempt
         return e, uresp
-    except sse.SSEProtocolError as e:
-        return GatewayError(502, str(e), code="upstream_protocol_error"), uresp
+    except (sse.SSEProtocolError, UpstreamProtocolError) as e:
+        uresp.close()
+        return GatewayError(502, str(e), code=PROTOCOL_ERROR), uresp
     except TimeoutError:
         if guard is not None:  # names the bound hit: stall, read timeout or a deadline
             return guard.stall_error(), uresp
@@ -791,11 +866,18 @@ def push_taker(
     to the client) in the loop step the HTTP parser hands it over, with no wake-up of the
     reader task, whose wake-up under load waits behind the rest of the step's work. `after`
     sees each piece's events. It declines (the task reads it) a piece over PUSH_MAX_BYTES,
-    a paced or credited stream, and any piece while the client is behind."""
+    a paced or credited stream, and any piece while the client is behind.
+
+    After the end of the stream ([DONE]) or a fault it takes every piece and drops it: the
+    task is told (nudged, or given the error) and nothing of what follows reaches the client."""
     feed = parser.feed
     deliver = acc.deliver
+    broken = False
 
     def take(data: bytes) -> bool:
+        nonlocal broken
+        if broken or parser.ended or parser.fault is not None:
+            return True
         if len(data) > PUSH_MAX_BYTES or acc.gate is not None or not acc.can_write_now():
             return False
         try:
@@ -803,7 +885,10 @@ def push_taker(
             if pieces:
                 deliver(pieces)  # written, or queued (at most one read: under the watermark)
             after(pieces)
+            if parser.at_end():
+                uresp.nudge()  # the task returns: the stream is over
         except Exception as e:  # the parked task raises it as if it had read the bytes itself
+            broken = True
             uresp.set_exception(e)
         return True
 
@@ -826,16 +911,21 @@ async def _read_guarded(
     uresp.take(push_taker(uresp, parser, acc, watch.arrived))
     try:
         while True:
+            if parser.ended or parser.fault is not None:
+                parser.at_end()  # raises the fault
+                return
             watch.start(now())
             chunk = await readany()
             watch.reading = False
             if not chunk:
                 if uresp.at_eof():
                     return
-                continue  # a nudge left over from the race for the first token
+                continue  # a nudge: the push path ended the stream, or one left from the race
             watch.arrived()
             pieces = feed(chunk)
             if pieces and deliver(pieces):
+                if parser.ended or parser.fault is not None:
+                    continue  # over: no need to wait for the client first
                 await acc.wait_below_low()
     except asyncio.CancelledError:
         if watch.timed_out():

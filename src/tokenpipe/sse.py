@@ -37,13 +37,20 @@ DONE_EVENT = encode(DONE)
 
 class SSEDecoder:
     """Incremental decoder. Bound: one event may be at most `max_event_bytes`; a longer one
-    raises `SSEProtocolError` (an upstream sending that is broken or hostile)."""
+    is a fault (an upstream sending that is broken or hostile): `feed` still returns the whole
+    events before it, sets `fault`, and every later `feed` raises it.
 
-    __slots__ = ("_buf", "max_event_bytes")
+    Line ends are LF, CRLF or CR (the SSE spec allows all three). A read that ends in CR keeps
+    that CR back until the next read says whether an LF follows: normalised at once, a CRLF
+    split between two reads would count as two line ends, i.e. an event boundary inside a
+    multi-line event."""
+
+    __slots__ = ("_buf", "fault", "max_event_bytes")
 
     def __init__(self, max_event_bytes: int = 4 * 1024 * 1024) -> None:
         self._buf = b""
         self.max_event_bytes = max_event_bytes
+        self.fault: SSEProtocolError | None = None
 
     def feed_one(self, chunk: bytes) -> bytes | None:
         """The data of `chunk` if it is exactly one whole one-line `data:` event with nothing
@@ -56,22 +63,29 @@ class SSEDecoder:
         return chunk[6:-2]
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if self.fault is not None:
+            raise self.fault
         buf = self._buf + chunk if self._buf else chunk
+        held = b""
         if b"\r" in buf:
+            if buf[-1:] == b"\r":  # maybe the first half of a CRLF: decided by the next read
+                buf, held = buf[:-1], b"\r"
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         blocks = buf.split(b"\n\n")
-        rest = blocks.pop()  # after the last blank line: an unterminated event, often b""
+        rest = blocks.pop() + held  # after the last blank line: an unterminated event
         events: list[Event] = []
         for block in blocks:
             # Fast path: the one-line `data: {...}` that OpenAI-compatible servers send.
             if block[:6] == b"data: " and b"\n" not in block:
-                events.append(Event(block[6:]))
+                if len(block) > 6:  # `data: ` alone has no data: no event (the spec)
+                    events.append(Event(block[6:]))
             elif block:
                 ev = _parse_block(block)
                 if ev is not None:
                     events.append(ev)
         if len(rest) > self.max_event_bytes:
-            raise SSEProtocolError(f"SSE event larger than {self.max_event_bytes} bytes")
+            self.fault = SSEProtocolError(f"SSE event larger than {self.max_event_bytes} bytes")
+            rest = b""
         self._buf = rest
         return events
 
@@ -100,7 +114,9 @@ def _parse_block(block: bytes) -> Event | None:
             event = value.decode("utf-8", "replace")
         # `id:` and `retry:` are not used by LLM APIs; ignored as the SSE spec allows.
     if data:
-        return Event(b"\n".join(data), False, event)
+        joined = b"\n".join(data)
+        # The spec dispatches no event whose data is empty (`data:` alone).
+        return Event(joined, False, event) if joined else None
     if comment:
         return Event(b"\n".join(comment), True, event)
     return None

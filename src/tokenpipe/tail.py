@@ -48,8 +48,8 @@ from tokenpipe.observe import metrics
 from tokenpipe.relay import Accumulator, EventParser, Piece, chunk_has_content, push_taker
 from tokenpipe.router import Router
 from tokenpipe.settings import DeadlineSettings, TailSettings
-from tokenpipe.upstream.h1 import UpstreamResponse
-from tokenpipe.upstream.http import HttpUpstream
+from tokenpipe.upstream.h1 import UpstreamProtocolError, UpstreamResponse
+from tokenpipe.upstream.http import PROTOCOL_ERROR, HttpUpstream
 
 log = logging.getLogger("tokenpipe.tail")
 
@@ -60,6 +60,8 @@ __all__ = ["DEADLINE_HEADER", "StreamGuard", "TailControl"]
 #: Estimators kept; the least recently created is dropped past this (bounds memory when
 #: clients send many model names).
 MAX_ESTIMATORS = 4096
+#: The upstream's bytes are broken (SSE/JSON, HTTP/1.1 framing): reported, never retried.
+_BROKEN_BYTES = (sse.SSEProtocolError, UpstreamProtocolError)
 
 
 def _rule(d: DeadlineSettings, min_samples: int) -> AdaptiveDeadline:
@@ -279,6 +281,8 @@ class TailControl:
                     a.error, a.reason = e, "connect"
                     a.ticket.failed(e.status)
                     self._unhealthy(a.upstream.name)
+                    if e.code == PROTOCOL_ERROR:
+                        a.fatal = e  # broken bytes: asking again gets the same (not retried)
                     return a
                 a.resp = resp
                 await a.ticket.arrived(resp.status, resp.headers)
@@ -308,13 +312,15 @@ class TailControl:
             a.discard(504)
             self._unhealthy(a.upstream.name)
             return a
-        except (aiohttp.ClientError, sse.SSEProtocolError):
+        except (aiohttp.ClientError, sse.SSEProtocolError) as e:
             a.error = GatewayError(
                 502, "the upstream connection broke", code="upstream_stream_truncated"
             )
             a.reason = "connect"
             a.discard(502)
             self._unhealthy(a.upstream.name)
+            if isinstance(e, (UpstreamProtocolError, sse.SSEProtocolError)):
+                a.fatal = GatewayError(502, str(e), code=PROTOCOL_ERROR)  # not retried
             return a
         except asyncio.CancelledError:
             a.discard(None)  # the client left (or a hedge lost): not the upstream's doing
@@ -337,13 +343,13 @@ class TailControl:
                     return
                 try:
                     obj = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    return  # the relay reports it
-                if not isinstance(obj, dict) or obj.get("error") or chunk_has_content(obj):
-                    return
-                for choice in obj.get("choices") or ():
-                    if choice.get("finish_reason"):
+                    if not isinstance(obj, dict) or obj.get("error") or chunk_has_content(obj):
                         return
+                    for choice in obj.get("choices") or ():
+                        if choice.get("finish_reason"):
+                            return
+                except (orjson.JSONDecodeError, RecursionError, AttributeError, TypeError):
+                    return  # not JSON, or not a chunk's shape: the relay's parser reports it
             if size > PREFIX_LIMIT:
                 return
 
@@ -619,7 +625,7 @@ class StreamGuard:
             if not scope.expired():
                 raise  # not ours: a read timeout below (a TimeoutError too)
         except Exception as e:
-            if acc.write_error is not None or isinstance(e, sse.SSEProtocolError):
+            if acc.write_error is not None or isinstance(e, _BROKEN_BYTES):
                 raise
             return await self._primary_broke(uresp, parser, acc)
         else:
@@ -642,7 +648,7 @@ class StreamGuard:
                     exc = primary_task.exception()
                     if exc is None:
                         return self._primary_won(uresp, hedge)
-                    if acc.write_error is not None or isinstance(exc, sse.SSEProtocolError):
+                    if acc.write_error is not None or isinstance(exc, _BROKEN_BYTES):
                         raise exc  # the client went away, or the upstream's bytes are broken
                     if hedge is None:
                         return await self._primary_broke(uresp, parser, acc)
@@ -843,6 +849,8 @@ class StreamGuard:
         parser.decoder = sse.SSEDecoder()  # a partial event of the old stream is dropped
         content = False
         for chunk in a.prefix:
+            if parser.at_end():  # raises a fault in what was read (the reader reports it)
+                break
             for piece in parser.feed(chunk):
                 if (
                     not content
@@ -854,6 +862,7 @@ class StreamGuard:
                     continue
                 content = True
                 acc.put(piece)
+        parser.at_end()
         return a.resp
 
     # -- after it ----------------------------------------------------------------------------
@@ -1001,10 +1010,12 @@ async def _until_content(uresp: UpstreamResponse, parser: EventParser, acc: Accu
             if not chunk:
                 return  # nudged (content went out), or the end
             pieces = parser.feed(chunk)
-            if pieces and acc.deliver(pieces):
-                await acc.wait_below_low()
-            if reached or _has_first(parser, pieces):
+            over = bool(pieces) and acc.deliver(pieces)
+            # The end ([DONE], an error event) or a fault (raised) ends the race as well.
+            if parser.at_end() or reached or _has_first(parser, pieces):
                 return
+            if over:
+                await acc.wait_below_low()
     finally:
         uresp.take(None)
 

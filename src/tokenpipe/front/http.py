@@ -30,8 +30,8 @@ from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Call, Gateway
 from tokenpipe.relay import EventParser, StreamTally, emit_sse, relay_stream
 from tokenpipe.upstream import http as upstream_http
-from tokenpipe.upstream.h1 import UpstreamResponse
-from tokenpipe.upstream.http import read_bounded
+from tokenpipe.upstream.h1 import UpstreamProtocolError, UpstreamResponse
+from tokenpipe.upstream.http import PROTOCOL_ERROR, read_bounded
 
 log = logging.getLogger("tokenpipe.front")
 
@@ -245,6 +245,8 @@ async def _unary(uresp: UpstreamResponse, tally: StreamTally, rid: str) -> tuple
     """A non-streamed answer, or an upstream error before streaming: passed through as sent."""
     try:
         body = await read_bounded(uresp)
+    except UpstreamProtocolError as e:  # bad chunk framing and the like
+        raise GatewayError(502, f"Upstream broke the protocol: {e}.", code=PROTOCOL_ERROR) from None
     except (TimeoutError, aiohttp.ClientError):
         raise GatewayError(
             502, "Upstream closed the connection before answering.", code="upstream_error"
@@ -252,15 +254,16 @@ async def _unary(uresp: UpstreamResponse, tally: StreamTally, rid: str) -> tuple
     headers = {"x-request-id": rid}
     status = uresp.status
     try:
-        obj = orjson.loads(body)
+        obj = orjson.loads(body)  # (orjson's depth limit makes deep nesting a decode error)
     except orjson.JSONDecodeError:
         obj = None
     if status == 200:
         if not isinstance(obj, dict):
             raise GatewayError(
-                502, "Upstream sent a response that is not JSON.", code="upstream_error"
+                502, "Upstream sent a response that is not a JSON object.", code=PROTOCOL_ERROR
             )
-        tally.usage = obj.get("usage")
+        usage = obj.get("usage")
+        tally.usage = usage if isinstance(usage, dict) else None
         for name in _SERVER_TIMING_HEADERS:  # the engine's own phases, for doctor and benches
             value = uresp.headers.get(name)
             if value is not None:
@@ -302,6 +305,10 @@ async def _relay_sse(
         if error is not None:
             error.message = _cut_message(tally, error.message)
             await response.write(sse.encode(error.json()) + sse.DONE_EVENT)
+        elif not tally.done:
+            # The stream ended at the upstream's own error event (nothing after it is passed
+            # on): it ends as one of ours does, the error event and then [DONE].
+            await response.write(sse.DONE_EVENT)
     except ConnectionResetError:
         return CLIENT_CLOSED
     except Exception:

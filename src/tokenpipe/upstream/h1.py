@@ -49,6 +49,12 @@ MAX_HEAD_BYTES = 64 * 1024
 Taker = Callable[[bytes], bool]
 
 
+class UpstreamProtocolError(aiohttp.ClientError):
+    """The upstream's bytes are not HTTP/1.1 as asked for: a bad status line, header or chunk
+    framing, or a protocol switch (101) nobody asked for. Deterministic: asking again gets the
+    same, so the gateway reports it (502 upstream_protocol_error) and does not retry it."""
+
+
 class UpstreamResponse:
     """One upstream response; its body is read with `readany()` (b"" at the end) or pushed to
     a taker (`take`)."""
@@ -236,8 +242,11 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # llhttp stops at a 101 (see on_headers_complete)
+            self._fail(UpstreamProtocolError("the upstream switched protocols (101)"))
+            self.abort()
         except httptools.HttpParserError as e:
-            self._fail(aiohttp.ClientResponseError(_NO_INFO, (), message=f"bad response: {e}"))
+            self._fail(UpstreamProtocolError(f"bad HTTP/1.1 from the upstream: {e}"))
             self.abort()
 
     def eof_received(self) -> bool | None:
@@ -273,7 +282,9 @@ class Connection(asyncio.Protocol):
         self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
 
     def on_headers_complete(self) -> None:
-        if 100 <= self.parser.get_status_code() < 200:  # 1xx (e.g. 103 Early Hints): skipped
+        # 1xx (e.g. 103 Early Hints): skipped. A 101 is too, and then ends the parse: no upgrade
+        # is ever asked for, so the bytes after it are another protocol (data_received).
+        if 100 <= self.parser.get_status_code() < 200:
             self._informational = True
             self._headers = CIMultiDict()
             return
@@ -347,9 +358,6 @@ class Connection(asyncio.Protocol):
     def _close_delimited(self, resp: UpstreamResponse) -> bool:
         h = resp.headers
         return "content-length" not in h and "chunked" not in h.get("transfer-encoding", "")
-
-
-_NO_INFO = aiohttp.RequestInfo(URL("http://upstream"), "POST", CIMultiDictProxy(CIMultiDict()))
 
 
 class Pool:

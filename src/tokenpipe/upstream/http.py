@@ -38,6 +38,8 @@ MODELS_TTL = 60.0
 MODELS_RETRY = 10.0
 #: Largest /models answer read (bytes); a larger one counts as no answer.
 MAX_MODELS_BYTES = 4 * 1024 * 1024
+#: The error code of an upstream whose bytes are broken (HTTP/1.1, SSE or JSON): not retried.
+PROTOCOL_ERROR = "upstream_protocol_error"
 #: How long an idle upstream connection is kept for the next request (seconds).
 KEEPALIVE_SECONDS = 30.0
 #: The fixed headers of a completion request (the body is always JSON, possibly a stream).
@@ -118,6 +120,10 @@ class HttpUpstream:
         except TimeoutError:
             raise GatewayError(
                 504, f"Upstream '{self.name}' did not answer in time.", code="upstream_timeout"
+            ) from None
+        except h1.UpstreamProtocolError as e:
+            raise GatewayError(
+                502, f"Upstream '{self.name}' broke the protocol: {e}.", code=PROTOCOL_ERROR
             ) from None
         except aiohttp.ClientError as e:
             raise GatewayError(
