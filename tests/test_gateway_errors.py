@@ -192,7 +192,7 @@ async def test_error_after_stream_started_is_an_sse_error_event(
     if fault != "garbage":
         assert len(r.text.split()) == 3  # what arrived before the fault was delivered
         assert "3 content deltas" in err["message"]  # and the client is told how much
-    assert r.done  # the stream still ends cleanly
+    assert not r.done  # the error event is the last: no [DONE] after it
 
 
 def test_config_errors_are_exact(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ load balancer sees answers, not resets: `/readyz` says 503, a new API request ge
 `Retry-After`, and open requests run on. It keeps answering for at least `grace` seconds (a
 readiness probe must get to see the 503) and until the open requests end, but never past
 `drain_seconds` after the signal: then every open request is cancelled, and a stream that was
-cut ends with an error event saying so and `[DONE]`.
+cut ends with an error event saying so (its last event: no `[DONE]` follows an error).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def refusal() -> GatewayError:
 
 
 async def end_cut_stream(response: web.StreamResponse) -> None:
-    """The last words of a stream cut by shutdown: an error event, then `[DONE]`."""
+    """The last words of a stream cut by shutdown: one error event, nothing after it."""
     error = GatewayError(
         503,
         "The stream was cut: the gateway is shutting down (drain_seconds reached). "
@@ -75,7 +75,7 @@ async def end_cut_stream(response: web.StreamResponse) -> None:
         code="shutdown",
     )
     with contextlib.suppress(ConnectionError, RuntimeError):
-        await response.write(sse.encode(error.json()) + sse.DONE_EVENT)
+        await response.write(sse.encode(error.json()))
         await response.write_eof()
 
 

@@ -302,13 +302,12 @@ async def _relay_sse(
             write_now=write_now,
             ready=ready,
         )
+        # An error event is the stream's last: no [DONE] follows it (ARCHITECTURE.md), so a
+        # client that stops at [DONE] never takes a cut answer for a whole one. The same holds
+        # when the stream ended at the upstream's own error event (relayed as it came).
         if error is not None:
             error.message = _cut_message(tally, error.message)
-            await response.write(sse.encode(error.json()) + sse.DONE_EVENT)
-        elif not tally.done:
-            # The stream ended at the upstream's own error event (nothing after it is passed
-            # on): it ends as one of ours does, the error event and then [DONE].
-            await response.write(sse.DONE_EVENT)
+            await response.write(sse.encode(error.json()))
     except ConnectionResetError:
         return CLIENT_CLOSED
     except Exception:
@@ -316,7 +315,7 @@ async def _relay_sse(
         # stream, not a response that never ends (the middleware cannot answer any more).
         log.exception("internal error while streaming")
         error = GatewayError(500, _cut_message(tally, "internal error in the gateway"))
-        await response.write(sse.encode(error.json()) + sse.DONE_EVENT)
+        await response.write(sse.encode(error.json()))
     await response.write_eof()
     return 200 if error is None else error.status
 
