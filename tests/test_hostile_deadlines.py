@@ -8,7 +8,7 @@ import random
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,8 @@ import orjson
 from aiohttp import web
 
 from tests import procs
+from tests.polling import metrics as _metrics
+from tests.polling import until as _until
 from tests.sse_client import post_stream
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -27,28 +29,6 @@ def _config(tmp: Path, url: str, extra: str = "") -> str:
     cfg = tmp / "gw.yaml"
     cfg.write_text(f"upstreams:\n  - name: up\n    url: {url}/v1\n{extra}")
     return str(cfg)
-
-
-async def _until(cond: Callable[[], Awaitable[Any]], seconds: float, what: str) -> Any:
-    deadline = time.monotonic() + seconds
-    value = None
-    while time.monotonic() < deadline:
-        value = await cond()
-        if value:
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what} (last: {value!r})")
-
-
-async def _metrics(gw: procs.Service) -> dict[str, float]:
-    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
-        text = await r.text()
-    return {
-        k: float(v)
-        for k, v in (
-            line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
-        )
-    }
 
 
 # -- item 2: malformed usage must not leak permits -------------------------------------------

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from tests import procs
+from tests.polling import metrics as _metrics
+from tests.polling import until as _until
 from tests.sse_client import post_stream
 
 CHAT = {"model": "sim-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -30,30 +31,9 @@ def _config(
     return str(cfg)
 
 
-async def _until(cond: Callable[[], Awaitable[Any]], seconds: float, what: str) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = await cond()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def _sim_requests(sim: procs.Service) -> int:
     async with aiohttp.ClientSession() as s, s.get(sim.url + "/sim/stats?last=0") as r:
         return int((await r.json())["requests"])
-
-
-async def _metrics(gw: procs.Service) -> dict[str, float]:
-    async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
-        text = await r.text()
-    return {
-        k: float(v)
-        for k, v in (
-            line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
-        )
-    }
 
 
 async def _ttfts(url: str, n: int, concurrency: int, body: dict[str, Any]) -> list[float]:
