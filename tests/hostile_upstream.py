@@ -137,7 +137,7 @@ class HostileUpstream:
             conns.add(writer)
             try:
                 await self._connection(reader, writer)
-            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
                 pass
             finally:
                 conns.discard(writer)

@@ -56,6 +56,7 @@ def _script(kind: str, c: Chunk) -> Reply:
         "bad_one_write": sse_reply([a, b + BAD + c("c"), stop + DONE]),
         "bad_own_chunk": sse_reply([a, b, BAD, c("c"), stop + DONE]),
         "bad_unchunked": sse_reply([a, b + BAD + c("c"), stop + DONE], chunked=False),
+        "comment_block": sse_reply([a, b": ping\n: data: [DONE]\n\n", b, stop + DONE]),
         "crlf_split": sse_reply([a, *_multiline_crlf(c), stop + DONE]),
         "inf_mid": sse_reply([a, b"data: 1e999\n\n", c("c"), DONE]),
         "inf_first": sse_reply([b"data: 1e999\n\n", a, DONE]),
@@ -177,6 +178,15 @@ async def test_multiline_crlf_event_split_between_cr_and_lf_is_delivered(
 ) -> None:
     got = await _post(gateway, api, "crlf_split")
     assert got.texts() == ["a", "crlf", "$"], got.body
+    _no_crash(gateway)
+
+
+@APIS
+async def test_multiline_comment_stays_a_comment(gateway: procs.Service, api: str) -> None:
+    # A comment block whose second line reads `: data: [DONE]` is one comment: re-sent with
+    # that line's prefix lost it would end the client's stream early.
+    got = await _post(gateway, api, "comment_block")
+    assert got.texts() == ["a", "b", "$"], got.body
     _no_crash(gateway)
 
 
@@ -308,4 +318,29 @@ async def test_out_of_range_number_met_when_merging_is_a_protocol_error() -> Non
         assert "$" not in texts
         # What came before the error is a prefix of the good text, in order.
         assert set("".join(texts[:-1]).split()) <= {"w"}
+        _no_crash(g)
+
+
+# -- the same rule on gRPC ---------------------------------------------------------------------
+
+
+async def test_grpc_protocol_error_mid_stream_ends_the_request_with_its_error(
+    upstream: HostileUpstream,
+) -> None:
+    from tests.test_grpc_stream import Stream, _free_port, _request
+
+    port = _free_port()
+    with procs.gateway("--grpc-port", str(port), "--upstream", upstream.url + "/v1") as g:
+        async with Stream(f"127.0.0.1:{port}") as st:
+            await st.outbox.put(_request("bad", "bad_own_chunk"))
+            await st.wait(lambda: st.finished("bad"))
+            await st.outbox.put(_request("good", "good"))  # the call itself goes on
+            await st.wait(lambda: st.finished("good"))
+        # Deltas up to the fault, then the one Error, nothing after it.
+        kinds = st.kinds("bad")
+        assert kinds[-1] == "error" and "done" not in kinds, kinds
+        assert st.text("bad") == "ab"
+        err = st.inbox["bad"][-1].error
+        assert err.status == 502 and "internal" not in err.message.lower(), err
+        assert st.kinds("good")[-1] == "done" and st.text("good") == "ab"
         _no_crash(g)
