@@ -332,7 +332,7 @@ async def test_grpc_protocol_error_mid_stream_ends_the_request_with_its_error(
     port = _free_port()
     with procs.gateway("--grpc-port", str(port), "--upstream", upstream.url + "/v1") as g:
         async with Stream(f"127.0.0.1:{port}") as st:
-            await st.outbox.put(_request("bad", "bad_own_chunk"))
+            await st.outbox.put(_request("bad", "bad_one_write"))
             await st.wait(lambda: st.finished("bad"))
             await st.outbox.put(_request("good", "good"))  # the call itself goes on
             await st.wait(lambda: st.finished("good"))
