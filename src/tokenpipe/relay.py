@@ -356,8 +356,8 @@ class EventParser:
         out: list[Piece] = []
         tally = self.tally
         for data, comment, _ in self.decoder.feed(chunk):
-            if comment:
-                out.append(Piece(b": " + data + b"\n\n"))
+            if comment:  # each line of a multi-line comment stays a comment line
+                out.append(Piece(b": " + data.replace(b"\n", b"\n: ") + b"\n\n"))
                 continue
             if data == sse.DONE:
                 tally.done = self.ended = True
@@ -371,7 +371,7 @@ class EventParser:
                 self._fail("upstream sent an event that is not JSON")
                 return out
             else:
-                piece = self._typed(c, data, None)
+                piece = self._typed(c, _one_line(data), None)
             if self.fault is not None:
                 return out
             if piece is not None:
@@ -458,6 +458,7 @@ class EventParser:
         if type(obj) is not dict:
             self._fail("upstream sent an event that is not a JSON object")
             return None
+        data = _one_line(data)
         choices = obj.get("choices")
         if not (isinstance(choices, list) and all(type(c) is dict for c in choices)):
             choices = None
@@ -491,6 +492,13 @@ class EventParser:
             piece.error = obj["error"]
             tally.finished = self.ended = True
         return piece
+
+
+def _one_line(data: bytes) -> bytes:
+    """The data of a multi-line `data:` event (its lines joined by LF) on one line, as it is
+    re-encoded under one `data: ` prefix. Called only on data that parsed as JSON, where an LF
+    can only be whitespace between tokens (a raw LF in a string is not JSON)."""
+    return data.replace(b"\n", b" ") if b"\n" in data else data
 
 
 def _without_usage(data: bytes) -> bytes | None:
@@ -621,7 +629,16 @@ class Accumulator:
         # each piece as it comes), so then events pass one for one, as the upstream sent them.
         if piece.count and pending:
             last = pending[-1]
-            if last.count and last.join(piece):
+            try:
+                joined = last.count and last.join(piece)
+            except sse.SSEProtocolError:
+                # `last` is the broken event (parsed only now): it goes, as does what follows
+                # it; the events before it are still sent, then the reader's error event.
+                pending.pop()
+                self.size -= last.size
+                Accumulator.total_bytes -= last.size
+                raise
+            if joined:
                 grow = sum(map(len, piece.parts or ())) + 8 * piece.count
                 last.size += grow
                 self.size += grow
