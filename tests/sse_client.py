@@ -73,3 +73,18 @@ async def post_stream(
                     if on_chunk is not None:
                         on_chunk(result.chunks[-1])
         return result
+
+
+def unchunk(raw: bytes) -> bytes:
+    """The body of a raw HTTP/1.1 200 response in chunked transfer encoding, de-chunked."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0], head
+    data = b""
+    while body:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        data += body[:size]
+        body = body[size + 2 :]
+    return data

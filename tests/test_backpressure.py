@@ -10,7 +10,7 @@ import orjson
 import psutil
 
 from tests import procs
-from tests.sse_client import post_stream
+from tests.sse_client import post_stream, unchunk
 from tokenpipe import sse
 
 
@@ -43,17 +43,7 @@ def _open_stream(
 
 def _events(raw: bytes) -> tuple[str, int]:
     """(text, content events) from a raw chunked HTTP response body."""
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert b" 200 " in head.split(b"\r\n")[0]
-    # Undo chunked transfer encoding.
-    data = b""
-    while body:
-        size_line, _, body = body.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        data += body[:size]
-        body = body[size + 2 :]
+    data = unchunk(raw)
     text, events = "", 0
     for ev in sse.SSEDecoder().feed(data):
         if ev.comment or ev.data == sse.DONE:

@@ -27,6 +27,7 @@ from tests.hostile_upstream import (
     sse_reply,
     text_chunk,
 )
+from tests.sse_client import unchunk
 from tokenpipe import sse
 
 Chunk = Callable[..., bytes]
@@ -296,23 +297,9 @@ def _slow_read(port: int) -> bytes:
     return out
 
 
-def _unchunk(raw: bytes) -> bytes:
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert b" 200 " in head.split(b"\r\n")[0], head
-    data = b""
-    while body:
-        size_line, _, body = body.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        data += body[:size]
-        body = body[size + 2 :]
-    return data
-
-
 async def test_out_of_range_number_met_when_merging_is_a_protocol_error() -> None:
     with HostileUpstream(_merge_route) as up, procs.gateway("--upstream", up.url + "/v1") as g:
-        got = Got(200, _unchunk(await asyncio.to_thread(_slow_read, g.port)), 0)
+        got = Got(200, unchunk(await asyncio.to_thread(_slow_read, g.port)), 0)
         texts = got.texts()
         assert texts[-1] == "!upstream_protocol_error", texts[-5:]
         assert "$" not in texts

@@ -50,10 +50,6 @@ def model_known(name: str) -> bool:
     return name in _models
 
 
-def model_label(name: str) -> str:
-    return name if name in _models else OTHER
-
-
 def _status_label(value: str) -> str:
     return value if len(value) == 3 and value.isdigit() and "1" <= value[0] <= "5" else OTHER
 
