@@ -272,7 +272,7 @@ async def hop_cost(iterations: int) -> dict[str, Any]:
         obj = {"model": m["name"], "messages": msgs, "max_tokens": 64}
         req = msgspec.convert(obj, schema.ChatRequest)
         try:
-            await budget.counter(m["name"])
+            counter = await budget.lookup.counter(m["name"])
         except Exception as e:  # the local extra is not installed
             out[m["name"]] = {"error": str(e)}
             continue
@@ -282,7 +282,6 @@ async def hop_cost(iterations: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             await budget.apply(schema.ChatRequest, req, o, {})
             times.append(time.perf_counter() - t0)
-        counter = budget._counters[m["name"]]
         out[f"{counter.name.split(':')[0]} / {'fits' if m['window'] > 2048 else 'truncated'}"] = {
             "median_us": statistics.median(times) * 1e6,
             "first_us": times[0] * 1e6,  # counts not cached yet: every message tokenized

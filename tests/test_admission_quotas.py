@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from tokenpipe.admission import Admission
 from tokenpipe.clock import ManualClock
+from tokenpipe.control.admission import Admission
 from tokenpipe.control.store import MemoryStore
 from tokenpipe.errors import GatewayError
 from tokenpipe.settings import KeyQuota

@@ -8,44 +8,35 @@ prompt, and when the request would not fit it lowers `max_tokens`, compresses th
 Per request, the header `x-tokenpipe-context-policy: off|truncate|summarize` overrides the
 configured policy. What was done is reported in response headers (`x-tokenpipe-max-tokens`,
 `x-tokenpipe-context`) and metrics (`tokenpipe_context_*`).
+
+This module applies the decisions of `plan`; each model's window and token counter come from
+`lookup`, and the summarize policy's call is `summarizer`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 
-from tokenpipe import request_ids
 from tokenpipe.context import plan, summary, tokens
-from tokenpipe.context.gguf_meta import GGUFError, read_metadata
-from tokenpipe.context.windows import WindowDiscovery, known_window
+from tokenpipe.context.lookup import ModelLookup
+from tokenpipe.context.summarizer import Summarizer
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
 from tokenpipe.observe import metrics
 from tokenpipe.router import Router
-from tokenpipe.settings import ContextModel, ContextSettings
-from tokenpipe.upstream.http import read_bounded
-
-log = logging.getLogger("tokenpipe.context")
+from tokenpipe.settings import ContextSettings
 
 POLICY_HEADER = "x-tokenpipe-context-policy"
 MAX_TOKENS_HEADER = "x-tokenpipe-max-tokens"
 REPORT_HEADER = "x-tokenpipe-context"
 POLICIES = ("off", "truncate", "summarize")
-#: Models whose counters and estimators are remembered; the oldest is forgotten beyond it.
-MAX_MODELS = 1024
 #: compress_target of the summarize policy when the config leaves it unset.
 SUMMARIZE_TARGET = 0.7
-#: Largest summary response read (bytes); a larger one is treated as a failed summary.
-MAX_SUMMARY_BYTES = 1 << 20
 
 
 class ContextOutcome:
@@ -84,18 +75,12 @@ class ContextBudget:
         tickets: Callable[[dict[str, Any]], Ticket] | None = None,
     ) -> None:
         self.settings = settings
-        self.router = router
-        #: Passage through the upstream limiters for summary calls (None: they go unlimited).
-        self.tickets = tickets
-        self.models: dict[str, ContextModel] = {m.name: m for m in settings.models}
+        self.lookup = ModelLookup({m.name: m for m in settings.models}, router)
+        #: Summaries by history-prefix hash: the summarizer writes them, `_sticky_cut` reuses them.
         self.cache = summary.SummaryCache(settings.summary_cache_entries)
         #: Where truncation cut recent histories (prefix hashes), to cut there again.
         self.cuts = summary.SummaryCache(settings.summary_cache_entries)
-        self.discovery = WindowDiscovery()
-        self._counters: OrderedDict[str, tokens.TokenCounter] = OrderedDict()
-        self._gguf_windows: dict[str, int | None] = {}
-
-    # -- configuration lookups -------------------------------------------------------------
+        self.summarizer = Summarizer(settings, router, self.lookup, self.cache, tickets)
 
     def policy(self, model: str, headers: Mapping[str, str]) -> str:
         asked = headers.get(POLICY_HEADER)
@@ -108,58 +93,8 @@ class ContextBudget:
                     code="invalid_request",
                 )
             return asked
-        cfg = self.models.get(model)
+        cfg = self.lookup.models.get(model)
         return (cfg.policy if cfg and cfg.policy else None) or self.settings.policy
-
-    async def window(self, model: str) -> int | None:
-        cfg = self.models.get(model)
-        if cfg is not None and cfg.window:
-            return cfg.window
-        try:
-            upstreams = await self.router.candidates(model)
-        except GatewayError:
-            upstreams = []
-        for upstream in upstreams[:1]:  # the one tried first
-            found = await self.discovery.window(upstream, model)
-            if found:
-                return found
-        if cfg is not None and cfg.gguf:
-            return self._gguf_window(cfg.gguf)
-        return known_window(model)
-
-    def _gguf_window(self, path: str) -> int | None:
-        if path not in self._gguf_windows:
-            try:
-                meta = read_metadata(tokens.resolve_gguf(path))
-                arch = meta.get("general.architecture")
-                value = meta.get(f"{arch}.context_length")
-                self._gguf_windows[path] = value if isinstance(value, int) else None
-            except (OSError, GGUFError, ImportError) as e:
-                log.warning("context: cannot read GGUF %s: %s", path, e)
-                self._gguf_windows[path] = None
-        return self._gguf_windows[path]
-
-    async def counter(self, model: str) -> tokens.TokenCounter:
-        """The model's counter; the first use loads its tokenizer off the event loop (a GGUF
-        vocabulary takes about a second). Two first requests at once may both load it."""
-        found = self._counters.get(model)
-        if found is not None:
-            self._counters.move_to_end(model)
-            return found
-        cfg = self.models.get(model)
-        spec = cfg.tokenizer if cfg else "auto"
-        counter = await asyncio.to_thread(
-            tokens.open_counter, spec, model, cfg.gguf if cfg else None
-        )
-        if counter is None:
-            counter = tokens.Estimator()
-        log.info("context: %s counts tokens with %s", model, counter.name)
-        self._counters[model] = counter
-        while len(self._counters) > MAX_MODELS:
-            self._counters.popitem(last=False)
-        return counter
-
-    # -- the hop ---------------------------------------------------------------------------
 
     async def apply(
         self, kind: type[Any], req: Any, obj: dict[str, Any], headers: Mapping[str, str]
@@ -168,10 +103,10 @@ class ContextBudget:
         policy = self.policy(req.model, headers)
         if policy == "off":
             return UNCHANGED
-        window = await self.window(req.model)
+        window = await self.lookup.window(req.model)
         if window is None:
             return UNCHANGED
-        counter = await self.counter(req.model)
+        counter = await self.lookup.counter(req.model)
         if kind is schema.ChatRequest:
             return await self._chat(req, obj, counter, window, policy)
         return self._text(req, obj, counter, window)
@@ -273,7 +208,7 @@ class ContextBudget:
         note = ""
         new_messages = [*system, *kept]
         if policy == "summarize":
-            text, note = await self._summary(req.model, messages, older)
+            text, note = await self.summarizer.summarize(req.model, messages, older)
             if text is not None:
                 done = "summarize"
                 at = next(
@@ -369,104 +304,6 @@ class ContextBudget:
             if m.get("role") not in kept_roles:
                 before += 1
         return planned
-
-    # -- summaries -------------------------------------------------------------------------
-
-    async def _summary(
-        self, model: str, messages: list[dict[str, Any]], older: list[dict[str, Any]]
-    ) -> tuple[str | None, str]:
-        """(summary of `older` or None to truncate instead, what happened for the header)."""
-        convo = [m for m in messages if m.get("role") not in plan.KEPT_ROLES]
-        n = len(older)
-        hashes = summary.prefix_hashes(convo[:n])
-        have, previous = self.cache.longest(hashes, n)
-        if have == n and previous is not None:
-            metrics.CONTEXT_SUMMARIES.labels("reused").inc()
-            return previous, "reused"
-        fresh = convo[have:n]
-        summarizer = self.settings.summarizer_model or model
-        try:
-            text = await asyncio.wait_for(
-                self.cache.once(hashes[n], lambda: self._write(summarizer, previous, fresh)),
-                self.settings.summary_deadline_seconds,
-            )
-        except TimeoutError:
-            metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
-            return None, "timeout"
-        except (GatewayError, aiohttp.ClientError, ValueError) as e:
-            log.warning("context: summary by %s failed: %s", summarizer, e)
-            metrics.CONTEXT_SUMMARIES.labels("failed").inc()
-            return None, "failed"
-        metrics.CONTEXT_SUMMARIES.labels("extended" if previous else "new").inc()
-        return text, ("extended" if previous else "new")
-
-    async def _write(self, model: str, previous: str | None, fresh: list[dict[str, Any]]) -> str:
-        """One call to the summarising model with the previous summary and the new messages."""
-        counter = await self.counter(model)
-        window = await self.window(model)
-        max_tokens = self.settings.summary_max_tokens
-        if window is not None:
-            # Newest messages first until the summarizer's own window is full: what does not
-            # fit is left out (truncated), so a summary is always one bounded call.
-            budget = (
-                window
-                - max_tokens
-                - self.settings.margin_tokens
-                - counter.count(summary.FRAME)
-                - counter.count(previous or "")
-            )
-            start = len(fresh)
-            while start > 0:
-                cost = tokens.count_message(counter, fresh[start - 1])
-                if cost > budget:
-                    break
-                budget -= cost
-                start -= 1
-            fresh = fresh[start:]
-            if not fresh and previous is None:
-                raise ValueError("no message fits the summarizer's window")
-        request = {
-            "model": model,
-            "stream": False,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "messages": [
-                {"role": "system", "content": summary.INSTRUCTIONS},
-                {"role": "user", "content": summary.transcript(previous, fresh)},
-            ],
-        }
-        # Through the upstream limiter (it waits for capacity and learns from the answer),
-        # which the summary's own deadline bounds.
-        ticket = self.tickets(request) if self.tickets is not None else None
-        usage = None
-        status: int | None = None
-        try:
-            _upstream, resp = await self.router.open(
-                model,
-                "/chat/completions",
-                orjson.dumps(request),
-                "ctx-summary-" + request_ids.new(),
-                ticket,
-            )
-            status = resp.status
-            try:
-                raw = await read_bounded(resp, MAX_SUMMARY_BYTES)
-            finally:
-                resp.close()
-            if resp.status != 200:
-                raise ValueError(f"summarizer answered {resp.status}")
-            try:
-                answer = orjson.loads(raw)
-                text = answer["choices"][0]["message"]["content"]
-            except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-                raise ValueError("summarizer answer is not a chat completion") from None
-            usage = answer.get("usage")  # a dict: indexing it by name worked
-        finally:
-            if ticket is not None:
-                ticket.finish(usage if isinstance(usage, dict) else None, status)
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("summarizer wrote an empty summary")
-        return text.strip()
 
 
 def _too_long(window: int, prompt: int) -> GatewayError:

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from tokenpipe import usage as usage_mod
-from tokenpipe.admission import Admission, Grant
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.context.windows import known_window
 from tokenpipe.control import cost as cost_mod
+from tokenpipe.control.admission import Admission, Grant
 from tokenpipe.control.aimd import AIMDLimit
 from tokenpipe.control.limiter import Limiter, Permit
 from tokenpipe.control.store import Limits, MemoryStore, Spec, Store

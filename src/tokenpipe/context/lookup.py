@@ -1,0 +1,83 @@
+"""What the context hop looks up per model: its window and its token counter.
+
+Both are found once and remembered: the window in the order `windows` describes (config, the
+upstream's `/v1/models`, the config's GGUF, the table of published windows), the counter by
+loading the model's tokenizer. Kept apart from `windows`, which control/traffic.py imports,
+so that module stays free of the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+
+from tokenpipe.context import tokens
+from tokenpipe.context.gguf_meta import GGUFError, read_metadata
+from tokenpipe.context.windows import WindowDiscovery, known_window
+from tokenpipe.errors import GatewayError
+from tokenpipe.router import Router
+from tokenpipe.settings import ContextModel
+
+log = logging.getLogger("tokenpipe.context")
+
+#: Models whose counters and estimators are remembered; the oldest is forgotten beyond it.
+MAX_MODELS = 1024
+
+
+class ModelLookup:
+    def __init__(self, models: Mapping[str, ContextModel], router: Router) -> None:
+        self.models = models
+        self.router = router
+        self.discovery = WindowDiscovery()
+        self._counters: OrderedDict[str, tokens.TokenCounter] = OrderedDict()
+        self._gguf_windows: dict[str, int | None] = {}
+
+    async def window(self, model: str) -> int | None:
+        cfg = self.models.get(model)
+        if cfg is not None and cfg.window:
+            return cfg.window
+        try:
+            upstreams = await self.router.candidates(model)
+        except GatewayError:
+            upstreams = []
+        for upstream in upstreams[:1]:  # the one tried first
+            found = await self.discovery.window(upstream, model)
+            if found:
+                return found
+        if cfg is not None and cfg.gguf:
+            return self._gguf_window(cfg.gguf)
+        return known_window(model)
+
+    def _gguf_window(self, path: str) -> int | None:
+        if path not in self._gguf_windows:
+            try:
+                meta = read_metadata(tokens.resolve_gguf(path))
+                arch = meta.get("general.architecture")
+                value = meta.get(f"{arch}.context_length")
+                self._gguf_windows[path] = value if isinstance(value, int) else None
+            except (OSError, GGUFError, ImportError) as e:
+                log.warning("context: cannot read GGUF %s: %s", path, e)
+                self._gguf_windows[path] = None
+        return self._gguf_windows[path]
+
+    async def counter(self, model: str) -> tokens.TokenCounter:
+        """The model's counter; the first use loads its tokenizer off the event loop (a GGUF
+        vocabulary takes about a second). Two first requests at once may both load it."""
+        found = self._counters.get(model)
+        if found is not None:
+            self._counters.move_to_end(model)
+            return found
+        cfg = self.models.get(model)
+        spec = cfg.tokenizer if cfg else "auto"
+        counter = await asyncio.to_thread(
+            tokens.open_counter, spec, model, cfg.gguf if cfg else None
+        )
+        if counter is None:
+            counter = tokens.Estimator()
+        log.info("context: %s counts tokens with %s", model, counter.name)
+        self._counters[model] = counter
+        while len(self._counters) > MAX_MODELS:
+            self._counters.popitem(last=False)
+        return counter

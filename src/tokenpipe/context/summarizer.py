@@ -1,0 +1,144 @@
+"""The summarize policy's call: one bounded chat completion that summarises dropped history.
+
+The cache, the prefix hashes and the prompt's wording are in `summary`; this is the call
+itself, through the router and the upstream limiter, under `summary_deadline_seconds`. A
+timeout or a failed call is returned as a note, not raised: the hop then truncates instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+
+from tokenpipe import request_ids
+from tokenpipe.context import plan, summary, tokens
+from tokenpipe.context.lookup import ModelLookup
+from tokenpipe.control.traffic import Ticket
+from tokenpipe.errors import GatewayError
+from tokenpipe.observe import metrics
+from tokenpipe.router import Router
+from tokenpipe.settings import ContextSettings
+from tokenpipe.upstream.http import read_bounded
+
+log = logging.getLogger("tokenpipe.context")
+
+#: Largest summary response read (bytes); a larger one is treated as a failed summary.
+MAX_SUMMARY_BYTES = 1 << 20
+
+
+class Summarizer:
+    def __init__(
+        self,
+        settings: ContextSettings,
+        router: Router,
+        lookup: ModelLookup,
+        cache: summary.SummaryCache,
+        tickets: Callable[[dict[str, Any]], Ticket] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.router = router
+        self.lookup = lookup
+        self.cache = cache
+        #: Passage through the upstream limiters for summary calls (None: they go unlimited).
+        self.tickets = tickets
+
+    async def summarize(
+        self, model: str, messages: list[dict[str, Any]], older: list[dict[str, Any]]
+    ) -> tuple[str | None, str]:
+        """(summary of `older` or None to truncate instead, what happened for the header)."""
+        convo = [m for m in messages if m.get("role") not in plan.KEPT_ROLES]
+        n = len(older)
+        hashes = summary.prefix_hashes(convo[:n])
+        have, previous = self.cache.longest(hashes, n)
+        if have == n and previous is not None:
+            metrics.CONTEXT_SUMMARIES.labels("reused").inc()
+            return previous, "reused"
+        fresh = convo[have:n]
+        summarizer = self.settings.summarizer_model or model
+        try:
+            text = await asyncio.wait_for(
+                self.cache.once(hashes[n], lambda: self._write(summarizer, previous, fresh)),
+                self.settings.summary_deadline_seconds,
+            )
+        except TimeoutError:
+            metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
+            return None, "timeout"
+        except (GatewayError, aiohttp.ClientError, ValueError) as e:
+            log.warning("context: summary by %s failed: %s", summarizer, e)
+            metrics.CONTEXT_SUMMARIES.labels("failed").inc()
+            return None, "failed"
+        metrics.CONTEXT_SUMMARIES.labels("extended" if previous else "new").inc()
+        return text, ("extended" if previous else "new")
+
+    async def _write(self, model: str, previous: str | None, fresh: list[dict[str, Any]]) -> str:
+        """One call to the summarising model with the previous summary and the new messages."""
+        counter = await self.lookup.counter(model)
+        window = await self.lookup.window(model)
+        max_tokens = self.settings.summary_max_tokens
+        if window is not None:
+            # Newest messages first until the summarizer's own window is full: what does not
+            # fit is left out (truncated), so a summary is always one bounded call.
+            budget = (
+                window
+                - max_tokens
+                - self.settings.margin_tokens
+                - counter.count(summary.FRAME)
+                - counter.count(previous or "")
+            )
+            start = len(fresh)
+            while start > 0:
+                cost = tokens.count_message(counter, fresh[start - 1])
+                if cost > budget:
+                    break
+                budget -= cost
+                start -= 1
+            fresh = fresh[start:]
+            if not fresh and previous is None:
+                raise ValueError("no message fits the summarizer's window")
+        request = {
+            "model": model,
+            "stream": False,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": summary.INSTRUCTIONS},
+                {"role": "user", "content": summary.transcript(previous, fresh)},
+            ],
+        }
+        # Through the upstream limiter (it waits for capacity and learns from the answer),
+        # which the summary's own deadline bounds.
+        ticket = self.tickets(request) if self.tickets is not None else None
+        usage = None
+        status: int | None = None
+        try:
+            _upstream, resp = await self.router.open(
+                model,
+                "/chat/completions",
+                orjson.dumps(request),
+                "ctx-summary-" + request_ids.new(),
+                ticket,
+            )
+            status = resp.status
+            try:
+                raw = await read_bounded(resp, MAX_SUMMARY_BYTES)
+            finally:
+                resp.close()
+            if resp.status != 200:
+                raise ValueError(f"summarizer answered {resp.status}")
+            try:
+                answer = orjson.loads(raw)
+                text = answer["choices"][0]["message"]["content"]
+            except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise ValueError("summarizer answer is not a chat completion") from None
+            usage = answer.get("usage")  # a dict: indexing it by name worked
+        finally:
+            if ticket is not None:
+                ticket.finish(usage if isinstance(usage, dict) else None, status)
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("summarizer wrote an empty summary")
+        return text.strip()
