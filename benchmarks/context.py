@@ -248,7 +248,8 @@ async def hop_cost(iterations: int) -> dict[str, Any]:
     from tokenpipe.context.budget import ContextBudget
     from tokenpipe.front import schema
     from tokenpipe.router import Router
-    from tokenpipe.settings import ContextSettings
+    from tokenpipe.router.policy import Policy
+    from tokenpipe.settings import ContextSettings, TailSettings
 
     msgs = [{"role": "system", "content": "You are a patient assistant. Answer briefly."}]
     for turn in range(40):
@@ -266,7 +267,10 @@ async def hop_cost(iterations: int) -> dict[str, Any]:
             m["name"] = "gemma-3-270m" if m["window"] == 100_000 else "gemma-3-270m@"
             if m["name"].endswith("@"):
                 m["tokenizer"] = "gguf:local"
-    budget = ContextBudget(msgspec.convert({"models": models}, ContextSettings), Router([]))
+    budget = ContextBudget(
+        msgspec.convert({"models": models}, ContextSettings),
+        Policy(TailSettings(), Router([])),
+    )
     out: dict[str, Any] = {}
     for m in models:
         obj = {"model": m["name"], "messages": msgs, "max_tokens": 64}

@@ -13,9 +13,9 @@ from tokenpipe import settings
 from tokenpipe.context.budget import UNCHANGED
 from tokenpipe.control.traffic import TrafficControl
 from tokenpipe.pipeline import Call
-from tokenpipe.relay import StreamTally
+from tokenpipe.relay.tally import StreamTally
 
-STEPS = ("uresp", "guard", "tally", "limiter_aimd", "ctx")
+STEPS = ("route", "tally", "limiter_aimd", "ctx")
 
 
 class Boom(Exception):
@@ -33,13 +33,15 @@ class _Resp:
             raise Boom("uresp.close")
 
 
-class _Guard:
+class _Route:
+    """The upstream response and every extra one (hedges, retries), closed as one step."""
+
     def __init__(self, fail: bool) -> None:
-        self.fail = fail
+        self.uresp = _Resp(fail)
+        self.upstream = _Upstream()
 
     def close(self) -> None:
-        if self.fail:
-            raise Boom("guard.close")
+        self.uresp.close()
 
     def client_expired(self) -> bool:
         return False
@@ -108,15 +110,13 @@ async def test_every_permit_comes_back_whatever_a_close_step_raises(
         tally = _Tally("up", "m", 0.0)
         tally.fail = step == "tally"
         tally.usage = usage
-        resp = _Resp(step == "uresp")
+        route = _Route(step == "route")
+        resp = route.uresp
         call = Call(
-            _Upstream(),  # type: ignore[arg-type]
-            resp,  # type: ignore[arg-type]
+            route,  # type: ignore[arg-type]
             tally,
             ticket,
             _Ctx(step == "ctx"),  # type: ignore[arg-type]
-            False,
-            _Guard(step == "guard"),  # type: ignore[arg-type]
         )
         with pytest.raises(Boom) if step != "none" else _nothing():
             call.close(503)  # a status the concurrency limit learns from
@@ -142,7 +142,7 @@ async def test_a_bad_usage_alone_raises_nothing_and_is_treated_as_absent(tmp_pat
         await ticket.acquire("up")
         tally = StreamTally("up", "m", 0.0)
         tally.usage = dict(bad)
-        call = Call(_Upstream(), _Resp(False), tally, ticket, UNCHANGED, False)  # type: ignore[arg-type]
+        call = Call(_Route(False), tally, ticket, UNCHANGED)  # type: ignore[arg-type]
         call.close(200)
         assert tally.usage is None
         assert traffic.limiters["up"].inflight == 0

@@ -11,7 +11,10 @@ import orjson
 import pytest
 
 from tokenpipe import sse
-from tokenpipe.relay import Accumulator, EventParser, Piece, StreamTally
+from tokenpipe.dialects import CHAT, Piece
+from tokenpipe.relay.buffer import Accumulator
+from tokenpipe.relay.events import EventParser
+from tokenpipe.relay.tally import StreamTally
 
 
 def _chunk(delta: dict | None = None, finish: str | None = None, **extra: object) -> bytes:
@@ -31,7 +34,7 @@ STREAM = [
 
 def _parse(reads: list[bytes], strip: bool) -> tuple[list[Piece], StreamTally]:
     tally = StreamTally("u", "m", time.perf_counter())
-    parser = EventParser(tally, strip)
+    parser = EventParser(tally, strip, CHAT)
     pieces: list[Piece] = []
     for r in reads:
         pieces += parser.feed(r)
@@ -85,7 +88,7 @@ def test_shapes_the_typed_decode_refuses_are_judged_on_the_dict() -> None:
 def test_broken_events_are_protocol_errors(bad: bytes) -> None:
     good = _chunk({"content": "x"})
     tally = StreamTally("u", "m", time.perf_counter())
-    parser = EventParser(tally, False)
+    parser = EventParser(tally, False, CHAT)
     # The good event before the bad one in the same read is kept; the one after it is not.
     pieces = parser.feed(good + bad + good)
     assert [p.text for p in pieces] == ["x"]

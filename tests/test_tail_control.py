@@ -11,7 +11,8 @@ from tokenpipe.control.breaker import CircuitBreaker, State
 from tokenpipe.control.budget import RatioBudget, backoff
 from tokenpipe.control.deadline import AdaptiveDeadline
 from tokenpipe.control.quantiles import RollingQuantiles
-from tokenpipe.tail import continuable, prompt_class
+from tokenpipe.dialects import CHAT, COMPLETIONS
+from tokenpipe.router.policy import prompt_class
 
 
 def test_rolling_quantiles_are_within_one_percent_of_the_exact_ones() -> None:
@@ -169,21 +170,21 @@ def test_prompt_size_classes_separate_long_prompts() -> None:
 
 
 def test_only_single_choice_answers_without_tools_can_continue() -> None:
-    assert continuable("/completions", {"prompt": "hi"})
-    assert continuable("/chat/completions", {"messages": []})
-    assert not continuable("/chat/completions", {"messages": [], "tools": [{}]})
-    assert not continuable("/completions", {"prompt": ["a", "b"]})
-    assert not continuable("/completions", {"prompt": "hi", "n": 2})
-    assert not continuable("/completions", {"prompt": "hi", "echo": True})
+    assert COMPLETIONS.continuable({"prompt": "hi"})
+    assert CHAT.continuable({"messages": []})
+    assert not CHAT.continuable({"messages": [], "tools": [{}]})
+    assert not COMPLETIONS.continuable({"prompt": ["a", "b"]})
+    assert not COMPLETIONS.continuable({"prompt": "hi", "n": 2})
+    assert not COMPLETIONS.continuable({"prompt": "hi", "echo": True})
 
 
 def test_hedge_delay_counts_cut_stalls_as_slower_than_every_ttft_seen() -> None:
     from tokenpipe.router import Router
     from tokenpipe.settings import TailSettings
-    from tokenpipe.tail import TailControl
+    from tokenpipe.router.policy import Policy
 
     clock = ManualClock()
-    tail = TailControl(TailSettings(), Router([]), clock)
+    tail = Policy(TailSettings(), Router([]), clock)
     assert tail.hedge_delay("u", "m", 0) == 1.0  # no samples: the static delay
     for i in range(100):
         tail.ttft_estimate("u", "m", 0).add(0.010 + i * 0.001)  # 10-109 ms, evenly

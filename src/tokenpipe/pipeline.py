@@ -1,29 +1,49 @@
-"""The request path below the protocol fronts, shared by HTTP and gRPC:
-context budget -> per-key admission -> upstream limiter -> router -> the upstream call.
+"""The request path below the protocol fronts, shared by HTTP and gRPC, in this order:
+deadline scope -> per-key admission -> context budget -> router (limiter wait, attempts,
+retries, fallbacks) -> the upstream call, whose stream the relay then moves.
+
+Layer: below the fronts; above context, router and relay. The fronts hand it a parsed request
+and get a `Call` back: the upstream's answer, read whole (`read_whole`) or relayed
+(`relay`), and `close(status)`, which releases everything the request holds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import orjson
 
 from tokenpipe import usage as usage_mod
 from tokenpipe.context.budget import ContextBudget, ContextOutcome
+from tokenpipe.control.deadline import Scope
+from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.control.traffic import Ticket, TrafficControl
+from tokenpipe.dialects import CHAT, COMPLETIONS, Dialect
+from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
 from tokenpipe.front.auth import Authenticator
 from tokenpipe.observe import metrics
-from tokenpipe.relay import StreamTally
+from tokenpipe.relay.buffer import WriteNow
+from tokenpipe.relay.events import EventParser
+from tokenpipe.relay.stream import Emit, relay_stream
+from tokenpipe.relay.tally import StreamTally
 from tokenpipe.router import Router
+from tokenpipe.router.attempt import Request
+from tokenpipe.router.policy import Policy
+from tokenpipe.router.route import Route, open_route
+from tokenpipe.router.stream import reader
 from tokenpipe.settings import Settings
-from tokenpipe.tail import StreamGuard, TailControl
 from tokenpipe.upstream.h1 import UpstreamResponse
-from tokenpipe.upstream.http import HttpUpstream
+from tokenpipe.upstream.http import HttpUpstream, read_bounded
 
-PATHS = {schema.ChatRequest: "/chat/completions", schema.CompletionRequest: "/completions"}
+DIALECTS: dict[type[Any], Dialect] = {
+    schema.ChatRequest: CHAT,
+    schema.CompletionRequest: COMPLETIONS,
+}
+T = TypeVar("T")
 
 
 class Gateway:
@@ -34,8 +54,8 @@ class Gateway:
         self.router = router
         self.auth = Authenticator(settings.auth.api_keys)
         self.traffic = TrafficControl(settings)
-        self.context = ContextBudget(settings.context, router, self.traffic.internal)
-        self.tail = TailControl(settings.tail, router)
+        self.policy = Policy(settings.tail, router)
+        self.context = ContextBudget(settings.context, self.policy, self.traffic.internal)
         self.draining = False
 
     async def start(self) -> None:
@@ -44,6 +64,12 @@ class Gateway:
     async def close(self) -> None:
         await self.traffic.close()
         await self.router.close()
+
+    def scope(self, headers: Mapping[str, str]) -> Scope:
+        """The request's one deadline scope: `tail.total_seconds` or the client's
+        x-tokenpipe-deadline-seconds, whichever is shorter (400 for a header that is not a
+        number). Created when the request arrives; every wait below lies inside it."""
+        return Scope.open(self.settings.tail.total_seconds, headers, self.policy.clock)
 
     async def open(
         self,
@@ -56,13 +82,46 @@ class Gateway:
         request_id: str,
         started: float,
         headers: Mapping[str, str],
+        scope: Scope | None = None,
+        pace: float | None = None,
     ) -> Call:
         """Sends the request upstream; returns once the upstream's headers arrived.
 
         `obj` is the request as the client sent it; `body` its bytes, forwarded unchanged
-        unless a hop below must change the request."""
-        ctx = await self.context.apply(kind, req, obj, headers)  # may shorten the request
-        changed = ctx.body is not None
+        unless a hop below must change the request. `pace`: tokens per second the client
+        asked for (the upstream is told, so a generating engine can slow down too)."""
+        if scope is None:
+            scope = self.scope(headers)
+        # The key's quota first: an over-quota key costs nothing more (no token counting, no
+        # summary call). 429 when over.
+        ticket = await _within(scope, self.traffic.admit(key, obj, scope), "admission")
+        try:
+            return await self._open(
+                kind, req, obj, body, ticket, request_id, started, headers, pace
+            )
+        except BaseException:
+            ticket.finish()
+            raise
+
+    async def _open(
+        self,
+        kind: type[schema.ChatRequest] | type[schema.CompletionRequest],
+        req: Any,
+        obj: dict[str, Any],
+        body: bytes,
+        ticket: Ticket,
+        request_id: str,
+        started: float,
+        headers: Mapping[str, str],
+        pace: float | None,
+    ) -> Call:
+        scope = ticket.scope
+        ctx = await _within(
+            scope, self.context.apply(kind, req, obj, headers, scope), "context budget"
+        )
+        changed = ctx.body is not None  # may shorten the request
+        if changed:
+            ticket.cost = self.traffic.cost(obj)  # the limiter charges what is sent
         strip_usage = False
         if req.stream:
             opts = obj.get("stream_options")
@@ -82,77 +141,91 @@ class Gateway:
                     changed = strip_usage = True
         if changed:
             body = orjson.dumps(obj)
-        # Per-key quota (429 when over; it needs the token count, so it follows the parse),
-        # then the upstream limiter inside open(): waits for capacity, learns from the answer.
-        ticket = await self.traffic.admit(key, obj)
-        path = PATHS[kind]
-        stream = bool(req.stream)
+        dialect = DIALECTS[kind]
+        request = Request(
+            req.model,
+            dialect,
+            obj,
+            body,
+            request_id,
+            scope,
+            stream=bool(req.stream),
+            prompt_tokens=ticket.cost.prompt,
+            pace=pace,
+        )
+        # Limiter wait, deadlines, retries, hedging, fallbacks, circuit breaking (router/).
+        route = await open_route(self.policy, request, ticket)
         try:
-            # Deadlines, retries, hedging, fallbacks, circuit breaking (tail.py).
-            upstream, uresp, sent_at, end = await self.tail.open(
-                req.model, path, body, request_id, ticket, stream=stream, headers=headers
-            )
-        except BaseException:
-            ticket.finish()
+            tally = StreamTally(route.upstream.name, req.model, started)
+            return Call(route, tally, ticket, ctx, EventParser(tally, strip_usage, dialect))
+        except BaseException:  # no Call to close it: the route ends here
+            route.close()
             raise
-        try:
-            guard = None
-            if stream and uresp.status == 200:
-                guard = StreamGuard(
-                    self.tail,
-                    upstream,
-                    req.model,
-                    path,
-                    body,
-                    obj,
-                    request_id,
-                    ticket,
-                    sent_at,
-                    end,
-                )
-            return Call(
-                upstream,
-                uresp,
-                StreamTally(upstream.name, req.model, started),
-                ticket,
-                ctx,
-                strip_usage,
-                guard,
-            )
-        except BaseException:  # no Call to close it: the response and ticket end here
-            try:
-                uresp.close()
-            finally:
-                ticket.finish()
-            raise
+
+
+async def _within(scope: Scope, step: Awaitable[T], where: str) -> T:
+    """Awaits `step` within the request's scope: past it, the scope's 504."""
+    if not scope.bounded:
+        return await step
+    try:
+        async with asyncio.timeout(scope.left()):
+            return await step
+    except TimeoutError:
+        if scope.passed():
+            raise scope.error(True, where) from None
+        raise
 
 
 class Call:
     """One upstream call in flight. `close(status)` must run exactly once, whatever happens."""
 
-    __slots__ = ("ctx", "gauge", "guard", "strip_usage", "tally", "ticket", "upstream", "uresp")
+    __slots__ = ("ctx", "gauge", "parser", "route", "tally", "ticket")
 
     def __init__(
         self,
-        upstream: HttpUpstream,
-        uresp: UpstreamResponse,
+        route: Route,
         tally: StreamTally,
         ticket: Ticket,
         ctx: ContextOutcome,
-        strip_usage: bool,
-        guard: StreamGuard | None = None,
+        parser: EventParser | None = None,
     ) -> None:
-        self.upstream = upstream
-        #: Tail control for the stream (bytes read while racing, stall deadline, recovery);
-        #: pass it to relay_stream.
-        self.guard = guard
-        self.uresp = uresp
+        #: The upstream answer and everything sent for it (hedges, retries, continuations).
+        self.route = route
         self.tally = tally
         self.ticket = ticket
         self.ctx = ctx
-        self.strip_usage = strip_usage
+        self.parser = parser
         self.gauge = metrics.child(metrics.INFLIGHT, *tally.labels)
         self.gauge.inc()
+
+    @property
+    def uresp(self) -> UpstreamResponse:
+        return self.route.uresp
+
+    @property
+    def upstream(self) -> HttpUpstream:
+        return self.route.upstream
+
+    async def read_whole(self, limit: int | None = None) -> bytes:
+        """The whole body of a non-streamed answer (or an upstream error), bounded."""
+        if limit is None:
+            return await read_bounded(self.route.uresp)
+        return await read_bounded(self.route.uresp, limit)
+
+    async def relay(
+        self,
+        emit: Emit,
+        gate: FlowGate | None = None,
+        gate_changed: asyncio.Event | None = None,
+        write_now: WriteNow | None = None,
+        ready: Callable[[], bool] | None = None,
+    ) -> GatewayError | None:
+        """Relays the stream to the client (relay.relay_stream with the router's reader);
+        returns why it ended early, if it did."""
+        assert self.parser is not None
+        return await relay_stream(
+            reader(self.route, self.parser), emit, gate, gate_changed, write_now, ready
+        )
 
     def close(self, status: int) -> None:
         """Releases everything, whatever a step raises: one `finally` per resource (a step
@@ -160,29 +233,31 @@ class Call:
         The first error is raised after all steps ran."""
         tally = self.tally
         try:
-            self.uresp.close()  # at once: a client that went away must not keep it busy
+            # At once: a client that went away must not keep the upstream busy. Hedge, retry
+            # and continuation responses and their tickets go with it.
+            self.route.close()
         finally:
             try:
-                if self.guard is not None:
-                    self.guard.close()  # hedge, retry and continuation responses, if any
+                self.gauge.dec()
             finally:
+                # Upstream values are checked before anything counts them (usage.py).
+                tally.usage = usage_mod.clean(tally.usage, self.route.upstream.name)
                 try:
-                    self.gauge.dec()
+                    tally.finish(status)
                 finally:
-                    # Upstream values are checked before anything counts them (usage.py).
-                    tally.usage = usage_mod.clean(tally.usage, self.upstream.name)
                     try:
-                        tally.finish(status)
+                        self.ticket.finish(tally.usage, self._ticket_status(status))
                     finally:
                         try:
-                            self.ticket.finish(tally.usage, self._ticket_status(status))
-                        finally:
                             self.ctx.observe(tally.usage)
+                        finally:
+                            if self.parser is not None:
+                                self.parser.close()
 
     def _ticket_status(self, status: int) -> int | None:
         """What the limiter learns from: a stream cut by the client's own deadline says
         nothing about the upstream (no AIMD drop)."""
-        if self.guard is not None and self.guard.client_expired():
+        if self.route.client_expired():
             return None
         return status
 

@@ -3,7 +3,7 @@
 Definitions (the same in bench, doctor and the gateway):
 
 - TTFT: request sent -> first chunk with content, reasoning or a tool call (a role-only first
-  chunk does not count: `tokenpipe.relay.chunk_has_content`).
+  chunk does not count: `tokenpipe.dialects.openai.chunk_has_content`).
 - ITL per chunk: gaps between consecutive content chunks (TTFT is not a gap).
 - ITL per token: each chunk gap divided by the tokens that chunk carried. Token counts come from
   `usage.completion_tokens`, spread evenly over the content chunks (an SSE chunk does not say how

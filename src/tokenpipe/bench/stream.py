@@ -4,7 +4,7 @@ correctness allows.
 Most chunks of an OpenAI stream are `data: {...,"delta":{"content":"x"},...}`; for those a byte
 search says "content" without a JSON parse. A chunk with usage, an error, a finish reason or no
 plain content (role-only, reasoning, tool calls) is parsed with orjson and judged by
-`tokenpipe.relay.chunk_has_content`, the gateway's own rule.
+`tokenpipe.dialects.openai.chunk_has_content`, the gateway's own rule.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import orjson
 
 from tokenpipe import sse
 from tokenpipe.bench.metrics import RequestRecord
-from tokenpipe.relay import chunk_has_content
+from tokenpipe.dialects.openai import chunk_has_content
 
 # `"content":"` followed by any byte but `"` is a non-empty content string. Inside a JSON
 # string a quote is escaped (`\"`), so this cannot match text the model wrote.

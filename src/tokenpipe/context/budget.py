@@ -24,11 +24,12 @@ import orjson
 from tokenpipe.context import plan, summary, tokens
 from tokenpipe.context.lookup import ModelLookup
 from tokenpipe.context.summarizer import Summarizer
+from tokenpipe.control.deadline import UNBOUNDED, Scope
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
 from tokenpipe.observe import metrics
-from tokenpipe.router import Router
+from tokenpipe.router.policy import Policy
 from tokenpipe.settings import ContextSettings
 
 POLICY_HEADER = "x-tokenpipe-context-policy"
@@ -71,16 +72,16 @@ class ContextBudget:
     def __init__(
         self,
         settings: ContextSettings,
-        router: Router,
+        policy: Policy,
         tickets: Callable[[dict[str, Any]], Ticket] | None = None,
     ) -> None:
         self.settings = settings
-        self.lookup = ModelLookup({m.name: m for m in settings.models}, router)
+        self.lookup = ModelLookup({m.name: m for m in settings.models}, policy.router)
         #: Summaries by history-prefix hash: the summarizer writes them, `_sticky_cut` reuses them.
         self.cache = summary.SummaryCache(settings.summary_cache_entries)
         #: Where truncation cut recent histories (prefix hashes), to cut there again.
         self.cuts = summary.SummaryCache(settings.summary_cache_entries)
-        self.summarizer = Summarizer(settings, router, self.lookup, self.cache, tickets)
+        self.summarizer = Summarizer(settings, policy, self.lookup, self.cache, tickets)
 
     def policy(self, model: str, headers: Mapping[str, str]) -> str:
         asked = headers.get(POLICY_HEADER)
@@ -97,9 +98,15 @@ class ContextBudget:
         return (cfg.policy if cfg and cfg.policy else None) or self.settings.policy
 
     async def apply(
-        self, kind: type[Any], req: Any, obj: dict[str, Any], headers: Mapping[str, str]
+        self,
+        kind: type[Any],
+        req: Any,
+        obj: dict[str, Any],
+        headers: Mapping[str, str],
+        scope: Scope = UNBOUNDED,
     ) -> ContextOutcome:
-        """Fits `obj` (the request as sent, changed in place) into the model's window."""
+        """Fits `obj` (the request as sent, changed in place) into the model's window; a
+        summary call waits within the request's `scope`."""
         policy = self.policy(req.model, headers)
         if policy == "off":
             return UNCHANGED
@@ -108,7 +115,7 @@ class ContextBudget:
             return UNCHANGED
         counter = await self.lookup.counter(req.model)
         if kind is schema.ChatRequest:
-            return await self._chat(req, obj, counter, window, policy)
+            return await self._chat(req, obj, counter, window, policy, scope)
         return self._text(req, obj, counter, window)
 
     def _limits(
@@ -156,7 +163,13 @@ class ContextBudget:
         return (counter, chars, overhead) if isinstance(counter, tokens.Estimator) else None
 
     async def _chat(
-        self, req: Any, obj: dict[str, Any], counter: tokens.TokenCounter, window: int, policy: str
+        self,
+        req: Any,
+        obj: dict[str, Any],
+        counter: tokens.TokenCounter,
+        window: int,
+        policy: str,
+        scope: Scope,
     ) -> ContextOutcome:
         messages: list[dict[str, Any]] = obj["messages"]
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -208,7 +221,7 @@ class ContextBudget:
         note = ""
         new_messages = [*system, *kept]
         if policy == "summarize":
-            text, note = await self.summarizer.summarize(req.model, messages, older)
+            text, note = await self.summarizer.summarize(req.model, messages, older, scope)
             if text is not None:
                 done = "summarize"
                 at = next(

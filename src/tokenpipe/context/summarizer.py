@@ -18,10 +18,14 @@ import orjson
 from tokenpipe import request_ids
 from tokenpipe.context import plan, summary, tokens
 from tokenpipe.context.lookup import ModelLookup
+from tokenpipe.control.deadline import UNBOUNDED, Scope
 from tokenpipe.control.traffic import Ticket
+from tokenpipe.dialects import CHAT
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
-from tokenpipe.router import Router
+from tokenpipe.router.attempt import Request
+from tokenpipe.router.policy import Policy
+from tokenpipe.router.route import open_route
 from tokenpipe.settings import ContextSettings
 from tokenpipe.upstream.http import read_bounded
 
@@ -35,22 +39,27 @@ class Summarizer:
     def __init__(
         self,
         settings: ContextSettings,
-        router: Router,
+        policy: Policy,
         lookup: ModelLookup,
         cache: summary.SummaryCache,
         tickets: Callable[[dict[str, Any]], Ticket] | None = None,
     ) -> None:
         self.settings = settings
-        self.router = router
+        self.policy = policy
         self.lookup = lookup
         self.cache = cache
         #: Passage through the upstream limiters for summary calls (None: they go unlimited).
         self.tickets = tickets
 
     async def summarize(
-        self, model: str, messages: list[dict[str, Any]], older: list[dict[str, Any]]
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        older: list[dict[str, Any]],
+        scope: Scope = UNBOUNDED,
     ) -> tuple[str | None, str]:
-        """(summary of `older` or None to truncate instead, what happened for the header)."""
+        """(summary of `older` or None to truncate instead, what happened for the header).
+        The wait is bounded by `summary_deadline_seconds` and the request's `scope`."""
         convo = [m for m in messages if m.get("role") not in plan.KEPT_ROLES]
         n = len(older)
         hashes = summary.prefix_hashes(convo[:n])
@@ -63,12 +72,12 @@ class Summarizer:
         try:
             text = await asyncio.wait_for(
                 self.cache.once(hashes[n], lambda: self._write(summarizer, previous, fresh)),
-                self.settings.summary_deadline_seconds,
+                scope.cap(self.settings.summary_deadline_seconds),
             )
         except TimeoutError:
             metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
             return None, "timeout"
-        except (GatewayError, aiohttp.ClientError, ValueError) as e:
+        except (GatewayError, aiohttp.ClientError, ValueError) as e:  # TODO upstream errors
             log.warning("context: summary by %s failed: %s", summarizer, e)
             metrics.CONTEXT_SUMMARIES.labels("failed").inc()
             return None, "failed"
@@ -110,26 +119,30 @@ class Summarizer:
                 {"role": "user", "content": summary.transcript(previous, fresh)},
             ],
         }
-        # Through the upstream limiter (it waits for capacity and learns from the answer),
-        # which the summary's own deadline bounds.
-        ticket = self.tickets(request) if self.tickets is not None else None
+        # Through the router's whole policy (breaker, retries within the budget, fallbacks)
+        # and the upstream limiter (it waits for capacity and learns from the answer), all
+        # within the summary's own deadline. Its scope is the gateway's, not one client's:
+        # several requests may wait for the same summary (SummaryCache.once).
+        scope = Scope.open(self.settings.summary_deadline_seconds, None, self.policy.clock)
+        if self.tickets is None:
+            raise ValueError("summary calls need the upstream limiter")
+        ticket = self.tickets(request)
+        body = orjson.dumps(request)
+        req = Request(
+            model, CHAT, request, body, "ctx-summary-" + request_ids.new(), scope, stream=False
+        )
         usage = None
         status: int | None = None
         try:
-            _upstream, resp = await self.router.open(
-                model,
-                "/chat/completions",
-                orjson.dumps(request),
-                "ctx-summary-" + request_ids.new(),
-                ticket,
-            )
-            status = resp.status
+            ticket.scope = scope
+            route = await open_route(self.policy, req, ticket)
             try:
-                raw = await read_bounded(resp, MAX_SUMMARY_BYTES)
+                status = route.uresp.status
+                raw = await read_bounded(route.uresp, MAX_SUMMARY_BYTES)
             finally:
-                resp.close()
-            if resp.status != 200:
-                raise ValueError(f"summarizer answered {resp.status}")
+                route.close()
+            if status != 200:
+                raise ValueError(f"summarizer answered {status}")
             try:
                 answer = orjson.loads(raw)
                 text = answer["choices"][0]["message"]["content"]
@@ -137,8 +150,7 @@ class Summarizer:
                 raise ValueError("summarizer answer is not a chat completion") from None
             usage = answer.get("usage")  # a dict: indexing it by name worked
         finally:
-            if ticket is not None:
-                ticket.finish(usage if isinstance(usage, dict) else None, status)
+            ticket.finish(usage if isinstance(usage, dict) else None, status)
         if not isinstance(text, str) or not text.strip():
             raise ValueError("summarizer wrote an empty summary")
         return text.strip()

@@ -3,8 +3,11 @@ with a static value until the estimate has enough samples to be trusted."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control.quantiles import RollingQuantiles
 from tokenpipe.errors import GatewayError
 
@@ -27,37 +30,90 @@ class AdaptiveDeadline:
         return min(self.ceiling, max(self.floor, self.k * q))
 
 
-#: Seconds before `End.at` that count as at it (timer resolution, see End.passed).
+#: Seconds before `Scope.at` that count as at it (timer resolution, see Scope.passed).
 SLACK = 0.01
 #: Client header asking for a shorter whole-request deadline (seconds).
 DEADLINE_HEADER = "x-tokenpipe-deadline-seconds"
 
 
 @dataclass(frozen=True, slots=True)
-class End:
-    """The whole-request deadline: when (`at`, on the tail clock), how long it was (`seconds`)
-    and whose it is. `client`: the client's header set it (the gateway's `tail.total_seconds`
-    was longer or unset). A request cut by the client's own deadline is not evidence
-    against the upstream: no breaker failure, no concurrency drop, no latency sample."""
+class Scope:
+    """One request's deadline scope: every wait of the request lies inside it (admission,
+    context and its summary calls, the limiter queue, each attempt, each read).
+
+    `at`: when it ends, on `clock` (math.inf: no bound); `seconds`: how long it was; `client`:
+    the client's header set it (the gateway's `tail.total_seconds` was longer or unset). A
+    request cut by the client's own deadline is not evidence against the upstream: no
+    breaker failure, no concurrency drop, no latency sample."""
 
     at: float
     seconds: float
     client: bool
+    clock: Clock
 
-    def passed(self, now: float) -> bool:
-        """Has it passed at `now`? Within SLACK: asyncio runs a timer up to its clock
-        resolution early, so a timeout set for `at` may fire a hair before it."""
-        return now >= self.at - SLACK
+    @classmethod
+    def open(
+        cls, total: float | None, headers: Mapping[str, str] | None, clock: Clock = MONOTONIC
+    ) -> Scope:
+        """The scope of a request arriving now: the gateway's `total` or the client's header,
+        whichever is shorter (a header value <= 0 or non-finite is ignored; not a number: 400)."""
+        client = False
+        raw = headers.get(DEADLINE_HEADER) if headers is not None else None
+        if raw is not None:
+            try:
+                asked = float(raw)
+            except ValueError:
+                raise GatewayError(
+                    400,
+                    f"{DEADLINE_HEADER} must be a number of seconds.",
+                    param=DEADLINE_HEADER,
+                    code="invalid_request",
+                ) from None
+            if asked > 0 and math.isfinite(asked) and (total is None or asked < total):
+                total, client = asked, True
+        if total is None:
+            return cls(math.inf, math.inf, False, clock)
+        return cls(clock.now() + total, total, client, clock)
+
+    @property
+    def bounded(self) -> bool:
+        return self.at != math.inf
+
+    def left(self) -> float:
+        """Seconds left (never below 0; math.inf without a bound)."""
+        return max(0.0, self.at - self.clock.now()) if self.bounded else math.inf
+
+    def cap(self, seconds: float | None) -> float | None:
+        """`seconds` (None: no bound of its own) capped at what is left of the scope."""
+        if not self.bounded:
+            return seconds
+        left = self.left()
+        return left if seconds is None or seconds > left else seconds
+
+    def passed(self, now: float | None = None) -> bool:
+        """Has it passed (at `now`, default the clock's)? Within SLACK: asyncio runs a timer
+        up to its clock resolution early, so a timeout set for `at` may fire a hair before."""
+        return (self.clock.now() if now is None else now) >= self.at - SLACK
+
+    def client_passed(self) -> bool:
+        """The client's own deadline has passed (the upstream is not to blame)."""
+        return self.client and self.passed()
 
     def name(self) -> str:
         if self.client:
             return f"the client's deadline of {self.seconds:.3g} s ({DEADLINE_HEADER})"
         return f"the gateway's total deadline of {self.seconds:.3g} s (tail.total_seconds)"
 
-    def error(self, before_first_token: bool) -> GatewayError:
+    def error(self, before_first_token: bool = True, where: str = "") -> GatewayError:
         when = "before the first token" if before_first_token else "mid-stream"
+        if where:
+            when = f"{when} ({where})"
         return GatewayError(
             504,
             f"{self.name()} passed {when}",
             code="upstream_timeout",  # the contract's code for every 504 (the text says whose)
         )
+
+
+#: No deadline at all (internal calls made outside any request, tests).
+UNBOUNDED = Scope(math.inf, math.inf, False, MONOTONIC)

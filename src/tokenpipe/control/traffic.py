@@ -17,8 +17,10 @@ from tokenpipe.context.windows import known_window
 from tokenpipe.control import cost as cost_mod
 from tokenpipe.control.admission import Admission, Grant
 from tokenpipe.control.aimd import AIMDLimit
+from tokenpipe.control.deadline import UNBOUNDED, Scope
 from tokenpipe.control.limiter import Limiter, Permit
 from tokenpipe.control.store import Limits, MemoryStore, Spec, Store
+from tokenpipe.errors import GatewayError
 from tokenpipe.settings import Settings, UpstreamLimits
 
 log = logging.getLogger("tokenpipe.limits")
@@ -96,11 +98,11 @@ class TrafficControl:
         cap = window or self.settings.max_request_tokens
         return cost_mod.of_request(request, self.settings.default_output_tokens, cap)
 
-    async def admit(self, key: str, request: dict[str, Any]) -> Ticket:
+    async def admit(self, key: str, request: dict[str, Any], scope: Scope = UNBOUNDED) -> Ticket:
         """Per-key quota check (429 when over), then a ticket for the upstream limiters."""
         c = self.cost(request)
         grant = await self.admission.admit(key, c.tokens, c.output_param)
-        return Ticket(self, key, c, grant)
+        return Ticket(self, key, c, grant, scope)
 
     def internal(self, request: dict[str, Any]) -> Ticket:
         """A ticket for the gateway's own upstream calls (context summaries): they spend the
@@ -119,10 +121,15 @@ class TrafficControl:
 class Ticket:
     """One request's passage. `finish()` may be called more than once (only the first counts)."""
 
-    __slots__ = ("cost", "deadline", "grant", "key", "permit", "status", "traffic")
+    __slots__ = ("cost", "deadline", "grant", "key", "permit", "scope", "status", "traffic")
 
     def __init__(
-        self, traffic: TrafficControl, key: str, cost: cost_mod.Cost, grant: Grant | None
+        self,
+        traffic: TrafficControl,
+        key: str,
+        cost: cost_mod.Cost,
+        grant: Grant | None,
+        scope: Scope = UNBOUNDED,
     ) -> None:
         self.traffic = traffic
         self.key = key
@@ -130,16 +137,29 @@ class Ticket:
         self.grant = grant
         self.permit: Permit | None = None
         self.status: int | None = None
+        #: The request's deadline scope: a wait in the queue ends with it, whatever is left
+        #: of the queue's own deadline (`limits.queue_deadline_seconds`, `deadline`).
+        self.scope = scope
         self.deadline = traffic.clock.now() + traffic.settings.queue_deadline_seconds
 
     async def acquire(self, upstream: str) -> None:
-        """Waits for capacity at `upstream` (raises 429 past the queue deadline)."""
+        """Waits for capacity at `upstream`: 429 past the queue deadline, the scope's 504 when
+        the request's own deadline ends the wait first."""
         self._release(None, sent=False)  # a permit from an earlier upstream was not used
         limiter = self.traffic.limiters.get(upstream)
         if limiter is None:
             return
-        left = max(0.001, self.deadline - self.traffic.clock.now())
-        self.permit = await limiter.acquire(self.key, self.cost.tokens, left)
+        left = self.deadline - self.traffic.clock.now()
+        scope = self.scope
+        scoped = scope.left() < left
+        if scoped:
+            left = scope.left()
+        try:
+            self.permit = await limiter.acquire(self.key, self.cost.tokens, max(0.001, left))
+        except GatewayError as e:
+            if scoped and e.status == 429 and scope.passed():
+                raise scope.error(True, "queued for upstream capacity") from None
+            raise
 
     async def arrived(self, status: int, headers: Mapping[str, str]) -> None:
         """The upstream answered (headers only): learn from them."""

@@ -24,15 +24,13 @@ from grpc_reflection.v1alpha import reflection
 
 from tokenpipe import request_ids
 from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.dialects import Piece
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import schema
 from tokenpipe.front.grpc_gen import chat_pb2, chat_pb2_grpc
 from tokenpipe.observe import logs
-from tokenpipe.pipeline import Gateway
-from tokenpipe.relay import EventParser, Piece, relay_stream
+from tokenpipe.pipeline import Call, Gateway
 from tokenpipe.upstream import http as upstream_http
-from tokenpipe.upstream.h1 import UpstreamResponse
-from tokenpipe.upstream.http import read_bounded
 
 log = logging.getLogger("tokenpipe.grpc")
 
@@ -203,12 +201,13 @@ class _Session:
             request_id=request_id,
             started=started,
             headers={},
+            pace=state.gate.rate or None,
         )
         status = CLIENT_CLOSED
         try:
             if call.uresp.status != 200:
                 status = call.uresp.status
-                await self.error(rid, await _upstream_error(call.uresp))
+                await self.error(rid, await _upstream_error(call))
                 return
             finish: list[str] = []
 
@@ -240,14 +239,7 @@ class _Session:
                             )
                         )
 
-            error = await relay_stream(
-                call.uresp,
-                EventParser(call.tally, False),
-                emit,
-                state.gate,
-                state.changed,
-                guard=call.guard,
-            )
+            error = await call.relay(emit, state.gate, state.changed)
             if error is not None:
                 status = error.status
                 error.message = (
@@ -287,9 +279,10 @@ def _too_many() -> GatewayError:
     )
 
 
-async def _upstream_error(uresp: UpstreamResponse) -> GatewayError:
+async def _upstream_error(call: Call) -> GatewayError:
+    uresp = call.uresp
     try:
-        body = orjson.loads(await read_bounded(uresp, 1024 * 1024))
+        body = orjson.loads(await call.read_whole(1024 * 1024))
         err = body["error"]
         return GatewayError(
             uresp.status, str(err.get("message")), type=err.get("type"), code=err.get("code")

@@ -25,13 +25,14 @@ from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import cors, drain, schema
 from tokenpipe.front.pacing import pace_gate
+from tokenpipe.front.sse_out import emit_sse
 from tokenpipe.observe import logs, metrics
 from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Call, Gateway
-from tokenpipe.relay import EventParser, StreamTally, emit_sse, relay_stream
+from tokenpipe.relay.tally import StreamTally
 from tokenpipe.upstream import http as upstream_http
-from tokenpipe.upstream.h1 import UpstreamProtocolError, UpstreamResponse
-from tokenpipe.upstream.http import PROTOCOL_ERROR, read_bounded
+from tokenpipe.upstream.h1 import UpstreamProtocolError
+from tokenpipe.upstream.http import PROTOCOL_ERROR
 
 log = logging.getLogger("tokenpipe.front")
 
@@ -196,6 +197,7 @@ async def _completion(
     gw = request.app[GATEWAY]
     rid = _request_id(request)
     key = gw.auth.check(request.headers.get("Authorization"))
+    scope = gw.scope(request.headers)  # the request's one deadline scope, from here on
     server = gw.settings.server
     body = await _read_body(request, server.max_body_bytes, server.read_timeout_seconds)
     req, obj = schema.parse(body, kind)
@@ -208,13 +210,21 @@ async def _completion(
     if gate is not None:
         upstream_http.PACE.set(gate.rate)  # this request's task only: the pace reaches upstream
     call = await gw.open(
-        kind, req, obj, body, key=key, request_id=rid, started=started, headers=request.headers
+        kind,
+        req,
+        obj,
+        body,
+        key=key,
+        request_id=rid,
+        started=started,
+        headers=request.headers,
+        scope=scope,
+        pace=gate.rate if gate is not None else None,
     )
     status = CLIENT_CLOSED
     try:
-        uresp = call.uresp
-        if uresp.status != 200 or not req.stream:
-            status, response = await _unary(uresp, call.tally, rid)
+        if call.uresp.status != 200 or not req.stream:
+            status, response = await _unary(call, rid)
             response.headers.update(call.ctx.headers)
             return response
         sse_response = web.StreamResponse(
@@ -241,10 +251,11 @@ def _bound_client_buffers(request: web.Request, sndbuf: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
 
 
-async def _unary(uresp: UpstreamResponse, tally: StreamTally, rid: str) -> tuple[int, web.Response]:
+async def _unary(call: Call, rid: str) -> tuple[int, web.Response]:
     """A non-streamed answer, or an upstream error before streaming: passed through as sent."""
+    uresp, tally = call.uresp, call.tally
     try:
-        body = await read_bounded(uresp)
+        body = await call.read_whole()
     except UpstreamProtocolError as e:  # bad chunk framing and the like
         raise GatewayError(502, f"Upstream broke the protocol: {e}.", code=PROTOCOL_ERROR) from None
     except (TimeoutError, aiohttp.ClientError):
@@ -293,15 +304,7 @@ async def _relay_sse(
     tally = call.tally
     emit, write_now, ready = emit_sse(response, request.writer, tally)
     try:
-        error = await relay_stream(
-            call.uresp,
-            EventParser(tally, call.strip_usage),
-            emit,
-            gate,
-            guard=call.guard,
-            write_now=write_now,
-            ready=ready,
-        )
+        error = await call.relay(emit, gate, write_now=write_now, ready=ready)
         # An error event is the stream's last: no [DONE] follows it (ARCHITECTURE.md), so a
         # client that stops at [DONE] never takes a cut answer for a whole one. The same holds
         # when the stream ended at the upstream's own error event (relayed as it came).

@@ -230,7 +230,15 @@ UPSTREAM_READ_PAUSED = Counter(
 )
 
 
-# -- tail-latency control (tail.py, control/deadline, budget, breaker) -----------------------
+RECOVERY_RECORD_DROPPED = Counter(
+    "tokenpipe_recovery_record_dropped",
+    "Streams whose recovery record (the text so far, kept to continue a cut stream) passed "
+    "its bound (relay/events.py RECORD_MAX_BYTES): recovery is off for the rest of the stream.",
+    registry=REGISTRY,
+)
+
+
+# -- tail-latency control (router/, control/deadline, budget, breaker) ----------------------
 RETRIES = Counter(
     "tokenpipe_retries",
     "Upstream requests sent again, by reason (connect, status_5xx, status_429, ttft_deadline, "

@@ -1,20 +1,15 @@
-"""Picks the upstream for a request and opens the upstream call.
-
-Upstreams that serve the model are tried in config order; one that cannot be reached before
-any response is passed over for the next (the simplest fallback; budgets and hedging build
-on this in the tail-latency layer).
-"""
+"""Which upstreams serve a model: config first, then each upstream's cached `/models` list."""
 
 from __future__ import annotations
 
-from tokenpipe.control.traffic import Ticket
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
-from tokenpipe.upstream.h1 import UpstreamResponse
 from tokenpipe.upstream.http import HttpUpstream
 
 
 class Router:
+    """The configured upstreams; `candidates(model)` those that serve it (404 when none)."""
+
     def __init__(self, upstreams: list[HttpUpstream]) -> None:
         self.upstreams = upstreams
         for u in upstreams:
@@ -44,28 +39,6 @@ class Router:
                 param="model",
             )
         return found
-
-    async def open(
-        self, model: str, path: str, body: bytes, request_id: str, ticket: Ticket | None = None
-    ) -> tuple[HttpUpstream, UpstreamResponse]:
-        """`ticket`: the request's passage through the upstream limiters (waits for capacity
-        before each send, learns from the response headers)."""
-        last: GatewayError | None = None
-        for upstream in await self.candidates(model):
-            if ticket is not None:
-                await ticket.acquire(upstream.name)  # 429 when no capacity within the deadline
-            try:
-                resp = await upstream.post(path, body, request_id)
-            except GatewayError as e:
-                if ticket is not None:
-                    ticket.failed(e.status)
-                last = e
-                continue
-            if ticket is not None:
-                await ticket.arrived(resp.status, resp.headers)
-            return upstream, resp
-        assert last is not None
-        raise last
 
     async def models(self) -> list[str]:
         names: set[str] = set()

@@ -1,0 +1,163 @@
+"""The seam between the API-neutral stream machinery and one API's events.
+
+A `Piece` is one upstream event as the relay handles it (or several neighbouring content
+deltas merged); a `Dialect` reads events into pieces and answers the questions the relay and
+the router ask of an API. Both are plain classes: a dialect is one shared object per API,
+stateless, so one instance serves every request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenpipe.settings import UpstreamSettings
+
+#: Accounting overhead per queued piece (bytes), so many tiny pieces still count.
+PIECE_OVERHEAD = 64
+
+
+class Piece:
+    """One upstream event, or several neighbouring content deltas merged.
+
+    `count` is the content deltas (tokens) it carries; `parts` their texts. `raw` is the event
+    as received (and sent when the piece was not merged or split). A piece that `may_merge` is
+    parsed (`dialect.template`) into `template`, from which a merged event is rebuilt, only
+    when it does merge, which happens only while a client is behind. `kind` says what merges
+    with what (the dialect's name for "a plain text delta of this block"); "" never merges.
+
+    What the event says besides its text, for the relay's bookkeeping: `usage` (the dict the
+    upstream sent), `finish_reason`, `error` (the upstream's own error event), `end` (the
+    last event of the stream: `[DONE]`, an error event, or the API's own terminal event);
+    `hidden`: it is not passed on (a usage chunk the gateway asked for itself).
+    """
+
+    __slots__ = (
+        "count",
+        "dialect",
+        "end",
+        "error",
+        "finish_reason",
+        "hidden",
+        "kind",
+        "may_merge",
+        "parts",
+        "raw",
+        "size",
+        "template",
+        "usage",
+    )
+
+    def __init__(self, raw: bytes | None, parts: list[str] | None = None) -> None:
+        self.raw = raw
+        self.parts = parts
+        self.count = len(parts) if parts is not None else 0
+        #: A content delta not yet parsed: `mergeable` parses it with `dialect`.
+        self.may_merge = False
+        self.dialect: Dialect | None = None
+        self.template: Any = None
+        self.kind = ""
+        self.finish_reason: str | None = None
+        self.error: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None
+        self.end = False
+        #: Carries only facts for the relay (usage), nothing for the client.
+        self.hidden = False
+        self.size = (len(raw) if raw is not None else 0) + PIECE_OVERHEAD
+
+    def mergeable(self) -> bool:
+        """Parses the piece the first time it is asked (only a queued piece is). May raise
+        sse.SSEProtocolError: the dialect's typed read skips fields it does not act on, and a
+        broken value there shows only now (see the dialect's `template`)."""
+        if self.may_merge:
+            self.may_merge = False
+            assert self.raw is not None and self.dialect is not None
+            found = self.dialect.template(self.raw)
+            if found is not None:
+                self.template, self.kind = found
+            else:
+                self.kind = ""
+        return self.template is not None
+
+    def join(self, other: Piece) -> bool:
+        """Appends `other`'s deltas if both are plain content deltas of the same kind. Only
+        the head of a merged run is parsed (its template is the event's); what joins it adds
+        only its text, which the dialect's read already gave."""
+        if not (other.may_merge or other.template is not None):
+            return False
+        if not (self.mergeable() and self.kind == other.kind):
+            return False
+        assert self.parts is not None and other.parts is not None
+        self.parts.extend(other.parts)
+        self.count += other.count
+        self.raw = None
+        return True
+
+    def split(self, n: int) -> Piece:
+        """Takes the first n deltas off this (merged) piece and returns them as a piece."""
+        assert self.parts is not None and 0 < n < self.count
+        head = Piece(None, self.parts[:n])
+        head.template = self.template
+        head.kind = self.kind
+        head.dialect = self.dialect
+        self.parts = self.parts[n:]
+        self.count -= n
+        self.raw = None
+        return head
+
+    def event(self) -> bytes:
+        """The SSE bytes for the client."""
+        if self.raw is not None:
+            return self.raw
+        assert self.parts is not None and self.dialect is not None
+        return self.dialect.render(self.template, self.kind, "".join(self.parts))
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts) if self.parts is not None else ""
+
+    @property
+    def first(self) -> bool:
+        """This event ends the wait for the first token: content, an error, a finish, the end
+        (what a hedge races for and the TTFT deadline bounds)."""
+        return bool(self.count or self.end or self.error is not None or self.finish_reason)
+
+
+class Dialect:
+    """One API's events, for the relay and the router. Subclasses implement every method.
+
+    `name` is the metric label of the API; `path` the upstream path a request of it goes to.
+    """
+
+    name = ""
+    path = ""
+
+    def read(
+        self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
+    ) -> Piece | None:
+        """One SSE event -> its piece; None: nothing to pass on. `raw` is the event's bytes as
+        read when they are exactly `data: <data>\\n\\n` (saves rebuilding them); `strip_usage`:
+        the gateway asked for usage on the client's behalf, remove it again. Raises
+        sse.SSEProtocolError for an event that cannot be read (the stream then ends with one
+        protocol error)."""
+        raise NotImplementedError
+
+    def template(self, raw: bytes) -> tuple[Any, str] | None:
+        """A content piece's event parsed for merging: (template, kind), or None when it is
+        not a plain text delta after all. Raises sse.SSEProtocolError for broken JSON."""
+        raise NotImplementedError
+
+    def render(self, template: Any, kind: str, text: str) -> bytes:
+        """The SSE bytes of a merged piece: `template` carrying `text`."""
+        raise NotImplementedError
+
+    def continuable(self, request: dict[str, Any]) -> bool:
+        """Can a stream of this request, cut after content, continue elsewhere?"""
+        return False
+
+    def continues_on(self, upstream: UpstreamSettings) -> bool:
+        """Can this upstream continue such a stream (some APIs need the upstream's help)?"""
+        return True
+
+    def continuation(self, request: dict[str, Any], texts: list[str]) -> bytes:
+        """The request that continues `request` after the content deltas `texts`."""
+        raise NotImplementedError

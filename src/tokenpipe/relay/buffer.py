@@ -1,0 +1,216 @@
+"""The one buffer of a stream: the bounded queue between its reader and its writer.
+
+Bounds (per stream): the reader stops reading the upstream once the queue holds HIGH_WATERMARK
+bytes (TCP backpressure then reaches the upstream) and resumes below LOW_WATERMARK; one socket
+read (at most 64 KiB, upstream's READ_MAX) may land on top of the high watermark. The recovery
+record (events.Record, RECORD_MAX_BYTES) is the only other per-stream store of content; both
+count in the tokenpipe_stream_buffer_bytes gauge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+
+from tokenpipe import sse
+from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.dialects import Piece
+from tokenpipe.errors import GatewayError
+from tokenpipe.observe import metrics
+from tokenpipe.relay.events import Record
+
+#: Bytes of queued content at which the reader stops reading the upstream.
+HIGH_WATERMARK = 64 * 1024
+#: Bytes of queued content below which a paused reader resumes.
+LOW_WATERMARK = 16 * 1024
+#: Writes pieces at once without waiting for the client (raises if it is gone).
+WriteNow = Callable[[list[Piece]], None]
+
+
+#: Most pieces one read may carry to be written by the reader; a read holding more is a backlog
+#: (the reader fell behind), which queues and leaves merged.
+DIRECT_MAX_PIECES = 8
+
+
+class Accumulator:
+    """The bounded queue between a stream's reader and writer (see the module docstring).
+
+    It also decides who writes: while the writer is parked with nothing queued, the client's
+    transport is empty and the gate allows, the reader writes the pieces itself (`deliver`),
+    saving a task switch per event; otherwise they queue here for the writer.
+    """
+
+    #: Bytes queued in all accumulators of this process (the tokenpipe_stream_buffer_bytes gauge).
+    total_bytes = 0
+
+    __slots__ = (
+        "_data",
+        "_drained",
+        "closed",
+        "error",
+        "gate",
+        "idle",
+        "merged",
+        "paused_s",
+        "pending",
+        "ready",
+        "size",
+        "write_error",
+        "write_now",
+    )
+
+    def __init__(
+        self,
+        gate: FlowGate | None = None,
+        write_now: WriteNow | None = None,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        self.pending: deque[Piece] = deque()
+        self.size = 0
+        self.closed = False
+        self.error: GatewayError | None = None
+        self.merged = 0  # deltas merged into a neighbour
+        self.paused_s = 0.0  # seconds the reader waited for the writer
+        self.gate = gate
+        #: Writes pieces to the client without waiting for it (`write_now`), and says whether
+        #: it can take more (`ready`); the reader writes directly only when both are given.
+        self.write_now = write_now
+        self.ready = ready
+        self.idle = False  # the writer is parked in wait_data with nothing pending
+        self.write_error: BaseException | None = None  # a direct write failed (client gone)
+        self._data = asyncio.Event()
+        self._drained = asyncio.Event()
+
+    def deliver(self, pieces: list[Piece]) -> bool:
+        """The reader's hand-over: writes at once when nothing waits and the client keeps up,
+        else queues (merging). True: the queue is over its high watermark, and the reader
+        must `wait_below_low()` before reading on. Synchronous: it runs once per read."""
+        if len(pieces) <= DIRECT_MAX_PIECES and self.can_write_now():
+            gate = self.gate
+            ok = True
+            if gate is not None:
+                tokens = 0
+                for p in pieces:
+                    tokens += p.count
+                if tokens:
+                    ok = gate.allowance()[0] >= tokens
+                    if ok:
+                        gate.consume(tokens)
+            if ok:
+                assert self.write_now is not None  # can_write_now() said so
+                try:
+                    self.write_now(pieces)
+                except Exception as e:
+                    self.write_error = e
+                    raise
+                return False
+        for piece in pieces:
+            self.put(piece)
+        return self.size > HIGH_WATERMARK
+
+    def can_write_now(self) -> bool:
+        """The reader may write itself: nothing queued, the writer parked, the client ready.
+        (`pending` as well as `idle`: a put wakes the writer, which is still marked idle
+        until it runs; what it has to send must go first.)"""
+        return (
+            not self.pending
+            and self.idle
+            and self.write_now is not None
+            and self.ready is not None
+            and self.ready()
+        )
+
+    def put(self, piece: Piece) -> None:
+        pending = self.pending
+        # Content that queues behind content not yet sent joins it: whatever waits for the
+        # client leaves as one event. Nothing waits when the client keeps up (the writer takes
+        # each piece as it comes), so then events pass one for one, as the upstream sent them.
+        if piece.count and pending:
+            last = pending[-1]
+            try:
+                joined = last.count and last.join(piece)
+            except sse.SSEProtocolError:
+                # `last` is the broken event (parsed only now): it goes, as does what follows
+                # it; the events before it are still sent, then the reader's error event.
+                pending.pop()
+                self.size -= last.size
+                Accumulator.total_bytes -= last.size
+                raise
+            if joined:
+                grow = sum(map(len, piece.parts or ())) + 8 * piece.count
+                last.size += grow
+                self.size += grow
+                Accumulator.total_bytes += grow
+                self.merged += 1
+                return
+        pending.append(piece)
+        self.size += piece.size
+        Accumulator.total_bytes += piece.size
+        self._data.set()
+
+    async def wait_below_low(self) -> None:
+        """Called by the reader after a read: waits while the writer is behind."""
+        if self.size <= HIGH_WATERMARK:
+            return
+        started = time.perf_counter()
+        while self.size > LOW_WATERMARK and not self.closed:
+            self._drained.clear()
+            await self._drained.wait()
+        self.paused_s += time.perf_counter() - started
+
+    def close(self, error: GatewayError | None = None) -> None:
+        self.closed = True
+        self.error = error
+        self._data.set()
+        self._drained.set()
+
+    async def wait_data(self) -> None:
+        while not self.pending and not self.closed:
+            self._data.clear()
+            self.idle = True
+            try:
+                await self._data.wait()
+            finally:
+                self.idle = False
+
+    def take(self, allowed: int) -> tuple[list[Piece], int]:
+        """Takes pieces from the front: pieces without tokens always, content up to `allowed`
+        tokens (splitting a merged piece if need be). Returns (pieces, tokens taken)."""
+        out: list[Piece] = []
+        tokens = 0
+        pending = self.pending
+        freed = 0
+        while pending:
+            piece = pending[0]
+            n = piece.count
+            if n and tokens + n > allowed:
+                room = allowed - tokens
+                if room > 0 and n > 1:
+                    head = piece.split(room)
+                    shrink = sum(len(p) for p in head.parts or ()) + 8 * room
+                    piece.size -= shrink
+                    freed += shrink
+                    out.append(head)
+                    tokens += room
+                break
+            pending.popleft()
+            freed += piece.size
+            out.append(piece)
+            tokens += n
+        if freed:
+            self.size -= freed
+            Accumulator.total_bytes -= freed
+            if self.size <= LOW_WATERMARK:
+                self._drained.set()
+        return out, tokens
+
+    def discard(self) -> None:
+        """Forget what is queued (the stream ended early); keeps the global gauge right."""
+        Accumulator.total_bytes -= self.size
+        self.size = 0
+        self.pending.clear()
+
+
+metrics.STREAM_BUFFER_BYTES.set_function(lambda: Accumulator.total_bytes + Record.total_bytes)

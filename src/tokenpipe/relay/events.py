@@ -1,0 +1,146 @@
+"""Upstream socket reads -> pieces: SSE framing here, each event's meaning from the dialect."""
+
+from __future__ import annotations
+
+from tokenpipe import sse
+from tokenpipe.dialects import Dialect, Piece
+from tokenpipe.observe import metrics
+from tokenpipe.relay.tally import StreamTally
+
+#: Bytes of content text one stream's recovery record may hold (about 64k tokens: more than a
+#: continuation prompt fits in most windows). Past it the record is dropped, recovery is off
+#: for that stream, and tokenpipe_recovery_record_dropped_total counts it.
+RECORD_MAX_BYTES = 256 * 1024
+
+
+class Record:
+    """The text of each content delta so far, for a continuation after a cut (router's
+    resume). Bounded by RECORD_MAX_BYTES; its bytes count in the stream buffer gauge."""
+
+    #: Bytes held in all records of this process (part of tokenpipe_stream_buffer_bytes).
+    total_bytes = 0
+
+    __slots__ = ("size", "texts")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.size = 0
+
+    def add(self, parts: list[str]) -> bool:
+        """Keeps `parts`; False when that would pass the bound (the record is then spent)."""
+        grow = 0
+        for p in parts:
+            grow += len(p)
+        if self.size + grow > RECORD_MAX_BYTES:
+            self.clear()
+            metrics.RECOVERY_RECORD_DROPPED.inc()
+            return False
+        self.texts.extend(parts)
+        self.size += grow
+        Record.total_bytes += grow
+        return True
+
+    def clear(self) -> None:
+        Record.total_bytes -= self.size
+        self.size = 0
+        self.texts = []
+
+
+class EventParser:
+    """Upstream socket reads -> pieces, recording usage and the end of the stream.
+
+    Two things stop it, and after either nothing more of the upstream's bytes becomes a piece
+    (what a read held past that point is dropped, and so is every later read): a terminal event
+    (`[DONE]`, the upstream's own error event, the API's own last event), which sets `ended`;
+    and an event it cannot read (not JSON, a number out of a double's range, nesting too deep,
+    an SSE event over its bound), which sets `fault`. `feed` returns the pieces before either;
+    the reader delivers them and then asks `at_end()`, which raises the fault. So the client
+    gets every event up to the fault in order, then the one error event, and never an event
+    from after it."""
+
+    __slots__ = ("decoder", "dialect", "ended", "fault", "read", "record", "strip_usage", "tally")
+
+    def __init__(self, tally: StreamTally, strip_usage: bool, dialect: Dialect) -> None:
+        self.tally = tally
+        self.dialect = dialect
+        self.read = dialect.read
+        #: The content so far, when the stream may need a continuation; None: not kept.
+        self.record: Record | None = None
+        #: The gateway asked the upstream for usage on the client's behalf; the dialect removes
+        #: the usage again so that the client gets exactly what it asked for.
+        self.strip_usage = strip_usage
+        self.decoder = sse.SSEDecoder()
+        self.ended = False  # a terminal event was seen
+        self.fault: sse.SSEProtocolError | None = None  # the first event that could not be read
+
+    def at_end(self) -> bool:
+        """True once a terminal event was seen; raises the fault once there is one."""
+        if self.fault is not None:
+            raise self.fault
+        return self.ended
+
+    def texts(self) -> list[str]:
+        """The text of each content delta so far ([] when not recorded, or the record is spent)."""
+        return self.record.texts if self.record is not None else []
+
+    def close(self) -> None:
+        """The stream is over: its record goes (and leaves the gauge)."""
+        if self.record is not None:
+            self.record.clear()
+            self.record = None
+
+    def feed(self, chunk: bytes) -> list[Piece]:
+        """The pieces of one read, up to a terminal event or a fault (see the class)."""
+        if self.ended:
+            return []
+        if self.fault is not None:
+            raise self.fault
+        # Fast path: a read holding exactly one whole `data:` event (what LLM servers send).
+        data = self.decoder.feed_one(chunk)
+        if data is not None:
+            try:
+                piece = self.read(data, None, chunk, self.strip_usage)
+            except sse.SSEProtocolError as e:
+                self.fault = e
+                return []
+            if piece is None or not self._took(piece):
+                return []
+            return [piece]
+        out: list[Piece] = []
+        for data, comment, event in self.decoder.feed(chunk):
+            if comment:  # each line of a multi-line comment stays a comment line
+                out.append(Piece(b": " + data.replace(b"\n", b"\n: ") + b"\n\n"))
+                continue
+            try:
+                piece = self.read(data, event, None, self.strip_usage)
+            except sse.SSEProtocolError as e:
+                self.fault = e
+                return out
+            if piece is not None and self._took(piece):
+                out.append(piece)
+            if self.ended:
+                return out
+        if self.decoder.fault is not None:
+            self.fault = self.decoder.fault
+        return out
+
+    def _took(self, piece: Piece) -> bool:
+        """Books what the piece says; False: it is not passed on."""
+        if piece.count and self.record is not None:
+            assert piece.parts is not None
+            if not self.record.add(piece.parts):
+                self.record = None
+        if piece.usage is not None or piece.finish_reason or piece.end:
+            tally = self.tally
+            if piece.usage:
+                tally.usage = piece.usage
+            if piece.error is not None:
+                tally.finished = True
+            elif piece.finish_reason:
+                tally.finished = True
+            if piece.end:
+                self.ended = True
+                tally.done = piece.error is None
+            if piece.hidden:
+                return False
+        return True

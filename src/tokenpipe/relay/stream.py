@@ -1,0 +1,231 @@
+"""The hot path of one stream: the push taker, the one body-reading loop, the writer (pump)
+and `relay_stream`, which runs a reader and the writer together.
+
+A client that keeps up gets every upstream event as it was sent (the bytes pass through, no
+re-serialisation, no waiting for more, no task switch). A slow client gets fewer, larger
+events with exactly the same text. No content is dropped or reordered: the reader writes only
+when nothing is queued, and merging only joins neighbouring content deltas of one choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+
+from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.dialects import Piece
+from tokenpipe.errors import GatewayError
+from tokenpipe.observe import metrics
+from tokenpipe.relay.buffer import Accumulator, WriteNow
+from tokenpipe.relay.events import EventParser
+from tokenpipe.relay.stall import StallWatch
+from tokenpipe.upstream.h1 import UpstreamResponse
+
+#: Largest piece of body the push path takes (bytes); a larger one is a backlog, read and
+#: merged by the task.
+PUSH_MAX_BYTES = 16 * 1024
+
+
+def push_taker(
+    uresp: UpstreamResponse,
+    parser: EventParser,
+    acc: Accumulator,
+    after: Callable[[list[Piece]], None],
+) -> Callable[[bytes], bool]:
+    """The push path, for `uresp.take`: each piece of body is parsed and delivered (written
+    to the client) in the loop step the HTTP parser hands it over, with no wake-up of the
+    reader task, whose wake-up under load waits behind the rest of the step's work. `after`
+    sees each piece's events. It declines (the task reads it) a piece over PUSH_MAX_BYTES,
+    a paced or credited stream, and any piece while the client is behind.
+
+    After the end of the stream ([DONE]) or a fault it takes every piece and drops it: the
+    task is told (nudged, or given the error) and nothing of what follows reaches the client."""
+    feed = parser.feed
+    deliver = acc.deliver
+    broken = False
+
+    def take(data: bytes) -> bool:
+        nonlocal broken
+        if broken or parser.ended or parser.fault is not None:
+            return True
+        if len(data) > PUSH_MAX_BYTES or acc.gate is not None or not acc.can_write_now():
+            return False
+        try:
+            pieces = feed(data)
+            if pieces:
+                deliver(pieces)  # written, or queued (at most one read: under the watermark)
+            after(pieces)
+            if parser.at_end():
+                uresp.nudge()  # the task returns: the stream is over
+        except Exception as e:  # the parked task raises it as if it had read the bytes itself
+            broken = True
+            uresp.set_exception(e)
+        return True
+
+    return take
+
+
+def _first_in(pieces: list[Piece]) -> bool:
+    return any(piece.first for piece in pieces)
+
+
+async def read_body(
+    uresp: UpstreamResponse,
+    parser: EventParser,
+    acc: Accumulator,
+    watch: StallWatch | None = None,
+    *,
+    until_first: bool = False,
+) -> None:
+    """The one reading loop: the body of `uresp` into `acc` until the end of the stream
+    (`until_first`: until its first token, an error, a finish or the end, whichever comes
+    first), a fault (raised) or EOF (returns; the caller sees `parser.ended` unset).
+
+    While the client keeps up, the body is not read here at all: it is pushed (`push_taker`)
+    and this task stays parked in `readany()`, woken only for what the push declines, for the
+    end, or (`until_first`) once the first token went out. Read by this task instead, the
+    first token waited for a wake-up behind the rest of that loop step's work, which the
+    other streams' pushed tokens fill: +15 ms at p99 TTFT with 64 paced streams
+    (docs/performance.md). `watch`: the stall deadline on each wait for the upstream; time
+    spent waiting for a slow client (backpressure) is not the upstream's gap."""
+    readany = uresp.readany
+    feed = parser.feed
+    deliver = acc.deliver
+    reached = False
+    after: Callable[[list[Piece]], None]
+    if until_first:
+
+        def after(pieces: list[Piece]) -> None:
+            nonlocal reached
+            if not reached and _first_in(pieces):
+                reached = True
+                uresp.nudge()
+
+    elif watch is not None:
+        after = watch.arrived
+    else:
+        after = _nothing
+    uresp.take(push_taker(uresp, parser, acc, after))
+    try:
+        while True:
+            if parser.ended or parser.fault is not None:
+                parser.at_end()  # raises the fault
+                return
+            if reached:
+                return
+            if watch is not None:
+                watch.start(watch.now())
+            chunk = await readany()
+            if watch is not None:
+                watch.reading = False
+            if not chunk:
+                if until_first or uresp.at_eof():
+                    return  # the end, or nudged: content went out (the push path's)
+                continue  # a nudge: the push path ended the stream, or one left from the race
+            if watch is not None:
+                watch.arrived()
+            pieces = feed(chunk)
+            over = bool(pieces) and deliver(pieces)
+            if until_first and _first_in(pieces):
+                reached = True
+            if over and not (parser.ended or parser.fault is not None or reached):
+                await acc.wait_below_low()
+    except asyncio.CancelledError:
+        if watch is not None and watch.timed_out():
+            raise TimeoutError from None
+        raise
+    finally:
+        uresp.take(None)
+        if watch is not None:
+            watch.stop()
+
+
+def _nothing(_pieces: list[Piece]) -> None:
+    return None
+
+
+Emit = Callable[[list[Piece]], Awaitable[None]]
+
+
+async def pump(
+    acc: Accumulator, gate: FlowGate | None, emit: Emit, gate_changed: asyncio.Event | None = None
+) -> GatewayError | None:
+    """The writer: sends what has accumulated as the gate allows. Returns the upstream's
+    error if the stream broke (after sending everything that arrived before it); raises
+    what a direct write by the reader raised (the client went away)."""
+    while True:
+        if not acc.pending:
+            if acc.closed:
+                if acc.merged:
+                    metrics.STREAM_MERGED_DELTAS.inc(acc.merged)
+                if acc.write_error is not None:
+                    raise acc.write_error
+                return acc.error
+            await acc.wait_data()
+            continue
+        if gate is None:
+            allowed, wait = 1 << 30, 0.0
+        else:
+            allowed, wait = gate.allowance()
+        pieces, tokens = acc.take(allowed)
+        if pieces:
+            if gate is not None:
+                gate.consume(tokens)
+            await emit(pieces)
+            continue
+        # Held back by flow control: wait for time (pace) or a change (credit, cancel).
+        if gate_changed is None:
+            if math.isinf(wait):
+                raise AssertionError("credit mode needs a gate_changed event")
+            await asyncio.sleep(wait)
+        else:
+            gate_changed.clear()
+            try:
+                await asyncio.wait_for(gate_changed.wait(), None if math.isinf(wait) else wait)
+            except TimeoutError:
+                pass
+
+
+Reader = Callable[[Accumulator], Awaitable[GatewayError | None]]
+
+
+async def relay_stream(
+    read: Reader,
+    emit: Emit,
+    gate: FlowGate | None = None,
+    gate_changed: asyncio.Event | None = None,
+    write_now: WriteNow | None = None,
+    ready: Callable[[], bool] | None = None,
+) -> GatewayError | None:
+    """Runs a reader and the writer for one stream. `read(acc)` fills the accumulator and
+    returns why the stream ended early, if it did (the router's reader: race, body, resume).
+    With `write_now` (writes without waiting for the client) and `ready` (the client has
+    nothing waiting for it) the reader writes directly while the client keeps up (see
+    Accumulator). The reader never outlives this call: when the writer returns, fails
+    (client gone) or is cancelled, the reader is cancelled and awaited.
+    (Not a TaskGroup: it would wrap the client's ConnectionResetError in an ExceptionGroup.)"""
+    acc = Accumulator(gate, write_now, ready)
+    reader = asyncio.create_task(_reading(read, acc))
+    try:
+        return await pump(acc, gate, emit, gate_changed)
+    finally:
+        reader.cancel()
+        try:
+            await reader
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:
+            if e is not acc.write_error:  # that one the writer raised already
+                raise
+        acc.discard()
+
+
+async def _reading(read: Reader, acc: Accumulator) -> None:
+    error: GatewayError | None = None
+    try:
+        error = await read(acc)
+    finally:
+        acc.close(error)
+        if acc.paused_s:
+            metrics.UPSTREAM_READ_PAUSED.inc(acc.paused_s)

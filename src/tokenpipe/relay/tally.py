@@ -1,0 +1,65 @@
+"""What one response did, as the client saw it: first token, gaps, tokens, outcome."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tokenpipe.observe import metrics
+
+
+class StreamTally:
+    """The per-request measurements, observed into the metrics when the request ends."""
+
+    __slots__ = (
+        "chunks",
+        "deltas",
+        "done",
+        "finished",
+        "first_token_at",
+        "itl",
+        "labels",
+        "last_token_at",
+        "started_at",
+        "ttft",
+        "usage",
+    )
+
+    def __init__(self, upstream: str, model: str, started_at: float) -> None:
+        self.labels = (upstream, model)
+        self.started_at = started_at  # time.perf_counter() at request arrival
+        self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+        self.chunks = 0  # content events sent to the client
+        self.deltas = 0  # upstream content deltas sent (several per event when merged)
+        self.usage: dict[str, Any] | None = None
+        self.done = False  # the stream's own last event seen ([DONE]; not an error event)
+        self.finished = False  # a finish_reason (or the upstream's error event) seen
+        self.ttft: float | None = None
+        self.itl = metrics.child(metrics.ITL, upstream, model)
+
+    def observe_content(self, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.ttft = now - self.started_at
+            metrics.child(metrics.TTFT, *self.labels).observe(self.ttft)
+        else:
+            self.itl.observe(now - self.last_token_at)
+        self.last_token_at = now
+        self.chunks += 1
+
+    def finish(self, status: int) -> None:
+        end = time.perf_counter()
+        upstream, model = self.labels
+        child = metrics.child
+        child(metrics.REQUEST_DURATION, upstream, model).observe(end - self.started_at)
+        child(metrics.REQUESTS, str(status), upstream, model).inc()
+        usage = self.usage
+        if usage:
+            prompt = usage.get("prompt_tokens") or 0
+            completion = usage.get("completion_tokens") or 0
+            child(metrics.TOKENS, "prompt", upstream, model).inc(prompt)
+            child(metrics.TOKENS, "completion", upstream, model).inc(completion)
+            if self.first_token_at is not None and completion > 1:
+                tpot = (self.last_token_at - self.first_token_at) / (completion - 1)
+                child(metrics.TPOT, upstream, model).observe(tpot)

@@ -1,0 +1,315 @@
+"""One send to one upstream, up to its first token or its headers, and the one retry loop
+that every path sends through: the request's first send, the retry after a TTFT deadline or a
+broken first response, and the continuation of a cut stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from tokenpipe import sse
+from tokenpipe.control.budget import backoff
+from tokenpipe.control.deadline import Scope
+from tokenpipe.control.traffic import Ticket
+from tokenpipe.dialects import Dialect
+from tokenpipe.errors import GatewayError
+from tokenpipe.router.policy import Policy, prompt_class, retry_after
+from tokenpipe.upstream.h1 import UpstreamProtocolError, UpstreamResponse
+from tokenpipe.upstream.http import PROTOCOL_ERROR, HttpUpstream
+
+#: Bytes an attempt may read before its first content token (role chunks, comments); past
+#: it the attempt counts as answered and the relay takes over (bounds the prefix buffer).
+PREFIX_LIMIT = 64 * 1024
+#: The upstream's bytes are broken (SSE/JSON, HTTP/1.1 framing): reported, never retried.
+BROKEN_BYTES = (sse.SSEProtocolError, UpstreamProtocolError)
+
+
+class Request:
+    """What every send of one request shares: the model, its API, the request as sent (`obj`,
+    `body`), its id, the pace the client asked for, and its deadline scope."""
+
+    __slots__ = ("body", "cls", "dialect", "model", "obj", "pace", "request_id", "scope", "stream")
+
+    def __init__(
+        self,
+        model: str,
+        dialect: Dialect,
+        obj: dict[str, Any],
+        body: bytes,
+        request_id: str,
+        scope: Scope,
+        *,
+        stream: bool,
+        prompt_tokens: int = 0,
+        pace: float | None = None,
+    ) -> None:
+        self.model = model
+        self.dialect = dialect
+        self.obj = obj
+        self.body = body
+        self.request_id = request_id
+        self.scope = scope
+        self.stream = stream
+        self.pace = pace
+        self.cls = prompt_class(prompt_tokens)
+
+
+class Attempt:
+    """One send to one upstream, up to its first content token (streams) or its headers."""
+
+    __slots__ = (
+        "error",
+        "fatal",
+        "first_at",
+        "hedge",
+        "prefix",
+        "reason",
+        "resp",
+        "sent_at",
+        "ticket",
+        "upstream",
+    )
+
+    def __init__(self, upstream: HttpUpstream, ticket: Ticket, hedge: bool = False) -> None:
+        self.upstream = upstream
+        self.ticket = ticket
+        self.hedge = hedge
+        self.resp: UpstreamResponse | None = None
+        self.prefix: list[bytes] = []  # bytes read while waiting for the first token
+        self.sent_at: float | None = None
+        self.first_at: float | None = None
+        self.error: GatewayError | None = None
+        self.reason = ""  # why it failed: connect, status_5xx, status_429, ttft_deadline
+        self.fatal: GatewayError | None = None  # no capacity, broken bytes: not retried
+
+    @property
+    def ok(self) -> bool:
+        """Answered: a first token, a 200, or a status that retrying would not change."""
+        return self.error is None and self.fatal is None and not self.reason
+
+    @property
+    def streaming(self) -> bool:
+        """Answered with a stream to read on (a 200 after its first token)."""
+        return self.ok and self.resp is not None and self.resp.status == 200
+
+    def discard(self, status: int | None) -> None:
+        """This attempt will not be used: close its response and release its permit."""
+        if self.resp is not None:
+            self.resp.close()
+            self.resp = None
+        self.ticket.failed(status)
+
+    def failure(self) -> GatewayError:
+        """What the client is told when this failed attempt was the last."""
+        if self.fatal is not None:
+            return self.fatal
+        if self.error is not None:
+            return self.error
+        status = self.resp.status if self.resp is not None else 502
+        return GatewayError(
+            502 if status < 500 else status,
+            f"Upstream '{self.upstream.name}' answered with status {status}.",
+            code="upstream_error",
+        )
+
+
+def deadline_for(policy: Policy, req: Request, upstream: HttpUpstream) -> float | None:
+    """An attempt's own bound: a stream's TTFT deadline (it covers the headers too: some
+    upstreams send them with the first token) under the upstream's fixed read timeout; none
+    for a non-streamed answer (its latency is the whole generation). The request's scope caps
+    it in `send`."""
+    if not req.stream:
+        return None
+    ttft = policy.ttft_deadline(upstream.name, req.model, req.cls)
+    cap = upstream.settings.read_timeout_seconds
+    return cap if ttft is None else min(ttft, cap)
+
+
+async def send(
+    policy: Policy,
+    a: Attempt,
+    req: Request,
+    body: bytes,
+    *,
+    first_token: bool,
+    deadline: float | None,
+) -> Attempt:
+    """Waits for limiter capacity, sends, and waits for the headers (`first_token`: and for
+    the first token of a 200 stream), within `deadline` capped by the request's scope.
+    Never raises except on cancellation (then the attempt closes what it opened)."""
+    scope = req.scope
+    try:
+        await a.ticket.acquire(a.upstream.name)  # within the queue deadline and the scope
+    except GatewayError as e:  # no capacity in time
+        a.fatal = e
+        return a
+    a.sent_at = policy.clock.now()
+    deadline = scope.cap(deadline)
+    name = a.upstream.name
+    try:
+        async with asyncio.timeout(deadline):
+            try:
+                resp = await a.upstream.post(req.dialect.path, body, req.request_id, req.stream)
+            except GatewayError as e:
+                a.error, a.reason = e, "connect"
+                a.ticket.failed(e.status)
+                policy.unhealthy(name)
+                if e.code == PROTOCOL_ERROR:
+                    a.fatal = e  # broken bytes: asking again gets the same (not retried)
+                return a
+            a.resp = resp
+            await a.ticket.arrived(resp.status, resp.headers)
+            if resp.status == 429 or resp.status >= 500:
+                a.reason = "status_429" if resp.status == 429 else "status_5xx"
+                if resp.status != 429:  # a 429 is the limiter's business, not health
+                    policy.unhealthy(name)
+                return a
+            if resp.status == 200 and first_token:
+                await _first_token(a, resp, req.dialect)
+            a.first_at = policy.clock.now()
+    except TimeoutError:
+        if scope.passed():  # the whole-request deadline
+            a.error, a.reason = scope.error(True), "deadline"
+            if scope.client:  # the client's own bound: nothing learned about the upstream
+                a.discard(None)
+                return a
+        else:
+            within = f" within {deadline:.3g} s" if deadline is not None else " in time"
+            what = "first token" if req.stream else "answer"
+            a.error = GatewayError(
+                504, f"Upstream '{name}' sent no {what}{within}.", code="upstream_timeout"
+            )
+            a.reason = "ttft_deadline"
+        a.discard(504)
+        policy.unhealthy(name)
+        return a
+    except (aiohttp.ClientError, sse.SSEProtocolError) as e:  # broke while reading the prefix
+        a.error = GatewayError(
+            502, "the upstream connection broke", code="upstream_stream_truncated"
+        )
+        a.reason = "connect"
+        a.discard(502)
+        policy.unhealthy(name)
+        if isinstance(e, BROKEN_BYTES):
+            a.fatal = GatewayError(502, str(e), code=PROTOCOL_ERROR)  # not retried
+        return a
+    except asyncio.CancelledError:
+        a.discard(None)  # the client left (or a hedge lost): not the upstream's doing
+        raise
+    policy.healthy(name)
+    return a
+
+
+async def _first_token(a: Attempt, resp: UpstreamResponse, dialect: Dialect) -> None:
+    """Reads until the first token, an error, a finish or the end; what was read is kept in
+    `a.prefix` for the relay (at most PREFIX_LIMIT bytes plus one read)."""
+    decoder = sse.SSEDecoder()
+    size = 0
+    async for chunk in resp.iter_any():
+        a.prefix.append(chunk)
+        size += len(chunk)
+        for data, comment, event in decoder.feed(chunk):
+            if comment:
+                continue
+            try:
+                piece = dialect.read(data, event, None, False)
+            except sse.SSEProtocolError:
+                return  # the relay's parser reports it
+            if piece is not None and piece.first:
+                return
+        if size > PREFIX_LIMIT:
+            return
+
+
+class Tries:
+    """The sends one retry loop may make: `used` of `limit`, counted under `label` in
+    tokenpipe_retries_total (default: the reason of each retry)."""
+
+    __slots__ = ("label", "limit", "used")
+
+    def __init__(self, limit: int, used: int = 0, label: str | None = None) -> None:
+        self.limit = limit
+        self.used = used
+        self.label = label
+
+
+async def until_answered(
+    policy: Policy,
+    req: Request,
+    tries: Tries,
+    *,
+    body: bytes,
+    first_token: bool,
+    ticket: Callable[[], Ticket],
+    avoid: str | None = None,
+    reason: str | None = None,
+    eligible: Callable[[HttpUpstream], bool] | None = None,
+) -> Attempt | None:
+    """The one retry loop: sends (to the upstreams serving the model, in order, the one that
+    failed last going last) until an attempt is answered, and returns it; or returns the last
+    failed attempt (not yet discarded: the caller passes it on or discards it), or None when
+    nothing could be sent. `reason`: why the first send of this loop is a retry already (the
+    request's first send is not; its loop passes None).
+
+    Each retry needs a send left (`tries`), time left in the request's scope and the retry
+    budget. The loop stops at an answer, at a failure no retry would change (no limiter
+    capacity, broken bytes, the scope passed) and when the model's only upstream answered 429
+    asking for a longer pause than `retries.max_429_wait_seconds` (the client decides). A retry
+    to the same upstream waits a jittered backoff first (within the scope)."""
+    retries = policy.settings.retries
+    last: Attempt | None = None
+    order: list[HttpUpstream] = []
+    try:
+        while True:
+            if last is not None:
+                if last.fatal is not None or last.reason == "deadline":
+                    return last
+                if (
+                    last.reason == "status_429"
+                    and len(order) == 1
+                    and last.resp is not None
+                    and retry_after(last.resp.headers) > retries.max_429_wait_seconds
+                ):
+                    return last  # the only upstream asks for a long pause: the client decides
+                reason = last.reason or "connect"
+                avoid = last.upstream.name
+            if reason is not None and (  # this send is a retry
+                req.scope.passed()
+                or not policy.may_retry(tries.used, tries.limit, reason, tries.label)
+            ):
+                return last
+            order = await policy.order(req.model)
+            if eligible is not None:
+                order = [u for u in order if eligible(u)]
+            target = policy.pick(order, avoid)
+            if target is None:
+                return last
+            if last is not None:
+                last.discard(last.resp.status if last.resp is not None else 502)
+                last = None
+            if reason is not None and len(order) == 1:  # the same upstream again: back off first
+                pause = backoff(
+                    tries.used, retries.backoff_base_seconds, retries.backoff_cap_seconds
+                )
+                await asyncio.sleep(min(pause, req.scope.left()))
+            tries.used += 1
+            a = await send(
+                policy,
+                Attempt(target, ticket()),
+                req,
+                body,
+                first_token=first_token,
+                deadline=deadline_for(policy, req, target),
+            )
+            if a.ok:
+                return a
+            last = a
+    except BaseException:
+        # Cancelled (the client left) while backing off or choosing: a failed answer kept
+        # for the caller must not stay open upstream.
+        if last is not None:
+            last.discard(None)
+        raise

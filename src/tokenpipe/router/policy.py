@@ -1,0 +1,199 @@
+"""What the router knows and decides about upstreams, as plain state with a clock: latency
+estimates and the deadlines and hedge delay drawn from them, the circuit breakers, the retry
+and hedge budgets, and the order upstreams are tried in. No I/O here: the attempt, race and
+resume modules ask it."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.control.breaker import CircuitBreaker, State
+from tokenpipe.control.budget import RatioBudget
+from tokenpipe.control.deadline import AdaptiveDeadline
+from tokenpipe.control.quantiles import RollingQuantiles
+from tokenpipe.observe import metrics
+from tokenpipe.router.candidates import Router
+from tokenpipe.settings import DeadlineSettings, TailSettings
+from tokenpipe.upstream.http import HttpUpstream
+
+log = logging.getLogger("tokenpipe.tail")
+
+#: Estimators kept per table; the least recently created is dropped past this (bounds memory
+#: when clients send many model names).
+MAX_ESTIMATORS = 4096
+
+
+def _rule(d: DeadlineSettings, min_samples: int) -> AdaptiveDeadline:
+    return AdaptiveDeadline(
+        k=d.k,
+        quantile=d.quantile,
+        floor=d.floor_seconds,
+        ceiling=d.ceiling_seconds,
+        initial=d.initial_seconds,
+        min_samples=min_samples,
+    )
+
+
+def prompt_class(tokens: int) -> int:
+    """Prompt size class for TTFT estimates: prefill time grows with the prompt, so a 30k-token
+    prompt is not judged by what 100-token prompts do. Classes: <1k, <4k, <16k, more."""
+    if tokens < 1024:
+        return 0
+    return min(3, 1 + int(math.log(tokens / 1024, 4)))
+
+
+class Policy:
+    def __init__(self, settings: TailSettings, router: Router, clock: Clock = MONOTONIC) -> None:
+        self.settings = settings
+        self.router = router
+        self.clock = clock
+        self.ttft_rule = _rule(settings.ttft, settings.min_samples)
+        self.stall_rule = _rule(settings.stall, settings.min_samples)
+        r, h = settings.retries, settings.hedging
+        self.retry_budget = RatioBudget(r.budget_ratio, r.budget_reserve, clock=clock)
+        self.hedge_budget = RatioBudget(h.budget_ratio, h.budget_reserve, clock=clock)
+        b = settings.breaker
+        self.breakers = {
+            u.name: CircuitBreaker(b.failures, b.cooldown_seconds, clock) for u in router.upstreams
+        }
+        # The circuit state gauge, set when it changes (it is looked at on every request).
+        self._shown = dict.fromkeys(self.breakers, State.CLOSED)
+        for name in self.breakers:
+            metrics.UPSTREAM_STATE.labels(name).set(int(State.CLOSED))
+        # (upstream, model, prompt class) -> TTFT; (upstream, model) -> gaps between reads.
+        self._ttft: dict[tuple[str, str, int], RollingQuantiles] = {}
+        self._gap: dict[tuple[str, str], RollingQuantiles] = {}
+        # (upstream, model, prompt class) -> first tokens that never came (only counted).
+        self._censored: dict[tuple[str, str, int], RollingQuantiles] = {}
+
+    # -- estimates and deadlines ------------------------------------------------------------
+
+    def _est(self, table: dict[Any, RollingQuantiles], key: Any) -> RollingQuantiles:
+        est = table.get(key)
+        if est is None:
+            if len(table) >= MAX_ESTIMATORS:
+                del table[next(iter(table))]
+            est = table[key] = RollingQuantiles(self.settings.window_seconds, clock=self.clock)
+        return est
+
+    def ttft_estimate(self, upstream: str, model: str, cls: int) -> RollingQuantiles:
+        return self._est(self._ttft, (upstream, model, cls))
+
+    def gap_estimate(self, upstream: str, model: str) -> RollingQuantiles:
+        return self._est(self._gap, (upstream, model))
+
+    def ttft_deadline(self, upstream: str, model: str, cls: int) -> float | None:
+        if not self.settings.deadlines:
+            return None
+        value = self.ttft_rule.value(self.ttft_estimate(upstream, model, cls))
+        metrics.child(metrics.DEADLINE, "ttft", upstream, model).set(value)
+        return value
+
+    def stall_deadline(self, upstream: str, model: str) -> float | None:
+        if not self.settings.deadlines:
+            return None
+        value = self.stall_rule.value(self.gap_estimate(upstream, model))
+        metrics.child(metrics.DEADLINE, "stall", upstream, model).set(value)
+        return value
+
+    def censored(self, upstream: str, model: str, cls: int) -> None:
+        """A first token that never came (the attempt lost to a hedge or hit the deadline):
+        its TTFT is only known to be longer than everything seen."""
+        self._est(self._censored, (upstream, model, cls)).add(1.0)
+
+    def hedge_delay(self, upstream: str, model: str, cls: int) -> float:
+        """The hedging quantile of TTFT, stalls included (Dean and Barroso: hedge after the
+        95th percentile of expected latency). Stalls cut short have no TTFT, only a lower
+        bound, so they count as above every TTFT seen: with c censored among n requests the
+        q-quantile of all is the q x n / (n - c) quantile of the completed ones. Leaving them
+        out would put the delay inside ordinary latency and hedge ~5% of ordinary requests;
+        recording their wait as a TTFT would drag the delay up to the stalls themselves."""
+        h = self.settings.hedging
+        est = self.ttft_estimate(upstream, model, cls)
+        q = None
+        n = est.count
+        if n >= self.settings.min_samples:
+            cut = self._est(self._censored, (upstream, model, cls)).count
+            q = est.quantile(min(1.0, h.quantile * (n + cut) / n))
+        value = h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)
+        metrics.child(metrics.DEADLINE, "hedge_delay", upstream, model).set(value)
+        return value
+
+    def send_limit(self) -> int:
+        """Sends per request, the first included (`tail.retries`)."""
+        r = self.settings.retries
+        return r.max_attempts if r.enabled else 1
+
+    # -- upstream choice and health ----------------------------------------------------------
+
+    async def order(self, model: str) -> list[HttpUpstream]:
+        """The upstreams serving `model`, in `tail.fallbacks` order (else config order)."""
+        candidates = await self.router.candidates(model)
+        names = self.settings.fallbacks.get(model)
+        if not names:
+            return candidates
+        by_name = {u.name: u for u in candidates}
+        return [by_name[n] for n in names if n in by_name] or candidates
+
+    def pick(self, order: list[HttpUpstream], avoid: str | None = None) -> HttpUpstream | None:
+        """The first upstream in order whose circuit lets a request through; `avoid` (the one
+        that just failed) goes last. When every circuit is open the first is used anyway: the
+        breaker reroutes, it never turns away a request no other upstream could serve (one
+        client's failing requests must not take a single-upstream gateway down; the retry
+        budget keeps the load on a failing upstream bounded)."""
+        if avoid is not None:
+            order = [u for u in order if u.name != avoid] + [u for u in order if u.name == avoid]
+        for u in order:
+            if not self.settings.breaker.enabled or self.breakers[u.name].allow():
+                self._show(u.name)
+                return u
+        return order[0] if order else None
+
+    def _show(self, name: str) -> None:
+        state = self.breakers[name].state
+        if self._shown[name] is not state:
+            self._shown[name] = state
+            metrics.UPSTREAM_STATE.labels(name).set(int(state))
+
+    def healthy(self, name: str) -> None:
+        self.breakers[name].success()
+        self._show(name)
+
+    def unhealthy(self, name: str) -> None:
+        b = self.breakers[name]
+        was = b.state
+        b.failure()
+        self._show(name)
+        if b.state is State.OPEN and was is not State.OPEN:
+            log.warning("upstream %s taken out for %.1f s (circuit open)", name, b.cooldown)
+
+    def upstream_state(self, name: str) -> State:
+        return self.breakers[name].state
+
+    def may_retry(self, used: int, limit: int, reason: str, label: str | None = None) -> bool:
+        """Another send is allowed: `used` of `limit` sends made, and the retry budget has
+        room (counted under `label`, default the reason: tokenpipe_retries_total)."""
+        label = label or reason
+        if used >= limit:
+            return False
+        if not self.retry_budget.try_spend():
+            metrics.RETRIES.labels(label, "no_budget").inc()
+            return False
+        metrics.RETRIES.labels(label, "retried").inc()
+        return True
+
+
+def retry_after(headers: Mapping[str, str]) -> float:
+    """Seconds a 429 asks us to wait (retry-after-ms or retry-after; 0 when absent)."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        raw = headers.get(name)
+        if raw is not None:
+            try:
+                return float(raw) * scale
+            except ValueError:
+                return 0.0
+    return 0.0
