@@ -303,7 +303,8 @@ def sim(
     """
     from tokenpipe import serving
     from tokenpipe.engines.sim import faults
-    from tokenpipe.engines.sim.app import Sim, SimConfig, Timing
+    from tokenpipe.engines.sim.app import Sim
+    from tokenpipe.engines.sim.config import SimConfig, Timing
 
     try:
         rated = [faults.parse_rated(s) for s in fault_specs]

@@ -4,7 +4,8 @@ Per request: parse, tokenize (the model's own tokenizer, which also gives `usage
 model in the fair queue, decode in the one decode thread, and relay pieces from the bounded
 hand-off to the socket. A streamed response takes the next piece only after the socket took the
 last one (`drain`), and its socket buffers are kept small, so a client that stops reading stops
-the model within a few dozen tokens.
+the model within a few dozen tokens. Request bodies are in schema.py, response bytes in
+responses.py.
 """
 
 from __future__ import annotations
@@ -19,25 +20,38 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import orjson
 from aiohttp import web
 
 from tokenpipe import sse
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control.flowgate import FlowGate
-from tokenpipe.engines.local import decode, metrics, refusals
-from tokenpipe.engines.local.decode import Done, Failed, Item, Record, SamplingParams
+from tokenpipe.engines.local import decode, metrics
+from tokenpipe.engines.local.decode import Done, Failed, Item, Record
 from tokenpipe.engines.local.handoff import TokenHandoff
 from tokenpipe.engines.local.model import MODEL_ID, LoadedModel
 from tokenpipe.engines.local.prompt import PromptError, chat_segments
 from tokenpipe.engines.local.queue import ModelSlot
+from tokenpipe.engines.local.responses import (
+    StreamChunks,
+    completion_body,
+    completion_id,
+    timing_comment,
+    timing_headers,
+    usage_of,
+)
+from tokenpipe.engines.local.schema import (
+    MAX_BODY,
+    ChatRequest,
+    CompletionRequest,
+    RequestBody,
+    read_request,
+    sampling_params,
+)
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.pacing import pace_gate
 from tokenpipe.observe.metrics import render
 
-#: Largest request body read (bytes); a longer one gets 413.
-MAX_BODY = 4 * 1024 * 1024
 #: Request records kept for /local/stats (oldest dropped first). Each holds its token
 #: timestamps (8 bytes + a float object per token, at most the context window): 200 records of
 #: a full 4096-token window are ~25 MB at worst.
@@ -74,44 +88,6 @@ class EngineConfig:
     default_max_tokens: int = 256
 
 
-class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
-    #: The rate (tokens/s) the reader renders at; decoding is paced to it (see `_stream`).
-    max_tokens_per_second: float | None = None
-
-
-class _Params(msgspec.Struct, kw_only=True):
-    model: str = MODEL_ID
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    ignore_eos: bool = False
-    # Accepted only to be refused when they ask for what the model cannot do (refusals.py).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    response_format: Any = None
-
-
-class ChatRequest(_Params, kw_only=True):
-    messages: list[dict[str, Any]]
-
-
-class CompletionRequest(_Params, kw_only=True):
-    prompt: Any
-
-
 class LocalServer:
     def __init__(
         self, model: LoadedModel, config: EngineConfig | None = None, clock: Clock = MONOTONIC
@@ -127,7 +103,7 @@ class LocalServer:
     # -- routes ----------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = await _read(request, ChatRequest)
+        req = await read_request(request, ChatRequest)
         try:
             prompt = self.model.encode_segments(chat_segments(req.messages))
         except PromptError as e:
@@ -135,7 +111,7 @@ class LocalServer:
         return await self._complete(request, "chat", req, prompt)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = await _read(request, CompletionRequest)
+        req = await read_request(request, CompletionRequest)
         p = req.prompt
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             p = p[0]
@@ -193,63 +169,10 @@ class LocalServer:
 
     # -- one generation --------------------------------------------------------------------
 
-    def _params(self, req: _Params, n_prompt: int) -> SamplingParams:
-        if req.n not in (None, 1):
-            raise GatewayError(400, "n must be 1 with the local model", param="n")
-        refusals.check(
-            tools=req.tools,
-            tool_choice=req.tool_choice,
-            logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs,
-            response_format=req.response_format,
-        )
-        room = self.model.n_ctx - n_prompt
-        if room <= 0:
-            raise GatewayError(
-                400,
-                f"The prompt has {n_prompt} tokens; the local model's context "
-                f"window is {self.model.n_ctx}.",
-                code="context_length_exceeded",
-                param="messages",
-            )
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        if max_tokens is None:
-            max_tokens = min(self.config.default_max_tokens, room)
-        if max_tokens < 0 or max_tokens > room:
-            raise GatewayError(
-                400,
-                f"max_tokens must be between 0 and {room} (the context window "
-                f"of {self.model.n_ctx} less {n_prompt} prompt tokens).",
-                code="context_length_exceeded",
-                param="max_tokens",
-            )
-        p = SamplingParams(max_tokens=max_tokens, seed=req.seed, ignore_eos=req.ignore_eos)
-        if req.temperature is not None:
-            if not 0 <= req.temperature <= 2:
-                raise GatewayError(400, "temperature must be between 0 and 2", param="temperature")
-            p.temperature = req.temperature
-        if req.top_p is not None:
-            p.top_p = req.top_p
-        if req.top_k is not None:
-            p.top_k = req.top_k
-        if req.min_p is not None:
-            p.min_p = req.min_p
-        if req.presence_penalty is not None:
-            p.presence_penalty = req.presence_penalty
-        if req.frequency_penalty is not None:
-            p.frequency_penalty = req.frequency_penalty
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
-        if len(stop) > 4:
-            raise GatewayError(400, "at most 4 stop sequences", param="stop")
-        p.stop = tuple(stop)
-        return p
-
     async def _complete(
-        self, request: web.Request, kind: str, req: _Params, prompt: list[int]
+        self, request: web.Request, kind: str, req: RequestBody, prompt: list[int]
     ) -> web.StreamResponse:
-        params = self._params(req, len(prompt))
+        params = sampling_params(req, len(prompt), self.model.n_ctx, self.config.default_max_tokens)
         rid = request.headers.get("x-request-id", "")
         if not _REQUEST_ID.match(rid):  # it goes into ids and headers: only safe characters
             rid = uuid.uuid4().hex
@@ -309,26 +232,7 @@ class LocalServer:
                 raise GatewayError(500, item.message, code="model_error")
             break
         finish = item.finish_reason
-        text = "".join(parts)
-        choice: dict[str, Any]
-        if kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        body = {
-            "id": _id(kind, rec.id),
-            "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "system_fingerprint": "tokenpipe-local",
-            "choices": [choice],
-            "usage": _usage(rec),
-        }
+        body = completion_body(kind, rec, model, "".join(parts), finish)
         headers = {"x-request-id": rec.id, **timing_headers(rec)}
         return web.Response(
             body=orjson.dumps(body), content_type="application/json", headers=headers
@@ -351,7 +255,7 @@ class LocalServer:
         writer = await resp.prepare(request)
         assert writer is not None
         _small_buffers(request)
-        chunks = _Chunks(kind, _id(kind, rec.id), model, include_usage)
+        chunks = StreamChunks(kind, completion_id(kind, rec.id), model, include_usage)
         if kind == "chat":
             await resp.write(chunks.role())
         end: Done | Failed | None = None
@@ -384,7 +288,7 @@ class LocalServer:
             return resp  # no [DONE]: the client sees the stream did not complete
         tail = [chunks.finish(end.finish_reason)]
         if include_usage:
-            tail.append(chunks.usage(_usage(rec)))
+            tail.append(chunks.usage(usage_of(rec)))
         tail.append(sse.encode_comment(timing_comment(rec)))
         tail.append(sse.DONE_EVENT)
         await resp.write(b"".join(tail))
@@ -409,81 +313,6 @@ class LocalServer:
         return app
 
 
-class _Chunks:
-    """Stream chunk bytes; the constant parts are built once per request, so each token costs
-    one orjson.dumps of its text and a few concatenations."""
-
-    def __init__(self, kind: str, cid: str, model: str, include_usage: bool) -> None:
-        self.kind = kind
-        created = str(int(time.time())).encode()
-        obj = b"chat.completion.chunk" if kind == "chat" else b"text_completion"
-        self.head = (
-            b'{"id":'
-            + orjson.dumps(cid)
-            + b',"object":"'
-            + obj
-            + b'","created":'
-            + created
-            + b',"model":'
-            + orjson.dumps(model)
-            + b',"system_fingerprint":"tokenpipe-local","choices":'
-        )
-        self.usage_null = b',"usage":null' if include_usage else b""
-        if kind == "chat":
-            self.pre = self.head + b'[{"index":0,"delta":{"content":'
-            self.post = b'},"logprobs":null,"finish_reason":null}]' + self.usage_null + b"}\n\n"
-        else:
-            self.pre = self.head + b'[{"index":0,"text":'
-            self.post = b',"logprobs":null,"finish_reason":null}]' + self.usage_null + b"}\n\n"
-        self.pre = b"data: " + self.pre
-
-    def role(self) -> bytes:
-        return sse.encode(
-            self.head + b'[{"index":0,"delta":{"role":"assistant","content":""},'
-            b'"logprobs":null,"finish_reason":null}]' + self.usage_null + b"}"
-        )
-
-    def content(self, text: str) -> bytes:
-        return self.pre + orjson.dumps(text) + self.post
-
-    def finish(self, reason: str) -> bytes:
-        delta = b'"delta":{}' if self.kind == "chat" else b'"text":""'
-        return sse.encode(
-            self.head + b'[{"index":0,' + delta + b',"logprobs":null,'
-            b'"finish_reason":' + orjson.dumps(reason) + b"}]" + self.usage_null + b"}"
-        )
-
-    def usage(self, usage: dict[str, int]) -> bytes:
-        return sse.encode(self.head + b'[],"usage":' + orjson.dumps(usage) + b"}")
-
-
-def timing_headers(rec: Record) -> dict[str, str]:
-    return {
-        "x-tokenpipe-queue-ms": f"{rec.queue_ms:.1f}",
-        "x-tokenpipe-prefill-ms": f"{rec.prefill_ms:.1f}",
-        "x-tokenpipe-decode-ms": f"{rec.decode_ms:.1f}",
-    }
-
-
-def timing_comment(rec: Record) -> bytes:
-    return (
-        f"tokenpipe queue_ms={rec.queue_ms:.1f} prefill_ms={rec.prefill_ms:.1f} "
-        f"decode_ms={rec.decode_ms:.1f}"
-    ).encode()
-
-
-def _usage(rec: Record) -> dict[str, int]:
-    return {
-        "prompt_tokens": rec.prompt_tokens,
-        "completion_tokens": rec.completion_tokens,
-        "total_tokens": rec.prompt_tokens + rec.completion_tokens,
-    }
-
-
-def _id(kind: str, rid: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + rid
-
-
 def _small_buffers(request: web.Request) -> None:
     """Keeps the bytes between the model and a stalled reader small (see SEND_BUFFER_BYTES)."""
     transport = request.transport
@@ -493,21 +322,6 @@ def _small_buffers(request: web.Request) -> None:
     sock = transport.get_extra_info("socket")
     if sock is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-
-
-_Req = Any
-
-
-async def _read(request: web.Request, kind: type[_Req]) -> Any:
-    body = await request.content.read(MAX_BODY + 1)
-    if len(body) > MAX_BODY:
-        raise GatewayError(413, f"Request body larger than {MAX_BODY} bytes.")
-    try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        raise GatewayError(400, f"Invalid request: {e}") from None
-    except msgspec.DecodeError:
-        raise GatewayError(400, "The request body is not valid JSON.") from None
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:

@@ -1,152 +1,46 @@
 """The sim's HTTP app: OpenAI-compatible routes with exact, seeded timing and fault injection.
 
-Timing is an absolute schedule from the moment the request is read: the role chunk at 0, the
-first content chunk at ttft, chunk j at ttft + j * tokens_per_chunk * itl. Sleeping to absolute
-due times keeps errors from adding up; with zero delays every due time has passed, so events go
-out in large writes and the sim sustains far more than 10,000 tokens/s on one core.
+The routes parse a request, settle its timing (config.py), charge the rate limits (limits.py) and
+answer whole or streamed (stream.py); /sim/stats reports what each request did (records.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import re
-import socket
-import struct
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from tokenpipe import sse
-from tokenpipe.control.bucket import TokenBucket
-from tokenpipe.control.ratelimit_headers import go_duration
 from tokenpipe.engines.sim import faults, text
-from tokenpipe.engines.sim.faults import Fault
+from tokenpipe.engines.sim.config import SimConfig, Timing, request_timing
+from tokenpipe.engines.sim.limits import RateLimits, retry_headers
+from tokenpipe.engines.sim.records import Record
+from tokenpipe.engines.sim.stream import stream_completion
 
 #: Largest request body the sim reads (bytes).
 MAX_BODY = 16 * 1024 * 1024
-#: Bytes gathered before a write when events are due faster than they can be written.
-WRITE_BATCH = 64 * 1024
-#: Kernel send buffer of a streaming connection (bytes; Linux doubles it). Like a server
-#: across a real network, the sim holds a bounded amount in flight: a reader that stops
-#: reading stops the stream within this many bytes, whatever the machine's tcp_wmem allows.
-SEND_BUFFER_BYTES = 256 * 1024
-#: Longest a `hang-after-headers` fault holds a connection (seconds).
-MAX_HANG = 600.0
 #: Request records kept for /sim/stats (oldest dropped first).
 MAX_RECORDS = 10_000
-
-_DIRECTIVE = re.compile(r"\[\[sim ([^\]]*)\]\]")
-
-
-@dataclass(slots=True)
-class Timing:
-    ttft_ms: float = 50.0
-    itl_ms: float = 5.0
-    tokens_per_chunk: int = 1
-    #: Output length when the request gives no max_tokens.
-    output_tokens: int = 64
-    #: Fixed output length that overrides max_tokens (set per request, for tests).
-    force_output_tokens: int | None = None
-    fault: Fault | None = None
-
-
-@dataclass(slots=True)
-class SimConfig:
-    seed: int = 0
-    timing: Timing = field(default_factory=Timing)
-    models: list[str] = field(default_factory=lambda: ["sim-model"])
-    #: Accept any model name (else unknown models get 404).
-    any_model: bool = True
-    rpm: float | None = None
-    tpm: float | None = None
-    #: Depth of the RPM/TPM buckets in seconds of refill (60: a full minute's allowance).
-    bucket_seconds: float = 60.0
-    rated_faults: list[tuple[Fault, float]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Record:
-    id: str
-    kind: str
-    started: float  # time.monotonic(), comparable across processes on one machine
-    fault: str | None = None
-    status: int = 200
-    outcome: str = "running"  # running | completed | cancelled | reset | truncated | error
-    ended: float | None = None
-    tokens: int = 0
-    prompt_tokens: int = 0
 
 
 class Sim:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.dice = faults.FaultDice(config.rated_faults, config.seed)
-        self.rpm = self._bucket(config.rpm)
-        self.tpm = self._bucket(config.tpm)
+        self.limits = RateLimits(config.rpm, config.tpm, config.bucket_seconds)
         self.records: deque[Record] = deque(maxlen=MAX_RECORDS)
         self.counts: dict[str, int] = {}
         self.active = 0
 
-    def _bucket(self, per_minute: float | None) -> TokenBucket | None:
-        if not per_minute:
-            return None
-        rate = per_minute / 60.0
-        return TokenBucket(rate, rate * self.config.bucket_seconds)
-
     # -- request parameters ---------------------------------------------------------------
 
     def timing_for(self, request: web.Request, prompt_text: str) -> Timing:
-        t = replace(self.config.timing)
-        drawn = self.dice.draw()
-        if drawn is not None:
-            t.fault = drawn
-        pairs: dict[str, str] = {}
-        for name, value in request.headers.items():
-            lname = name.lower()
-            if lname.startswith("x-sim-"):
-                pairs[lname[6:].replace("-", "_")] = value
-        for m in _DIRECTIVE.finditer(prompt_text):
-            for item in m.group(1).split():
-                k, _, v = item.partition("=")
-                pairs[k.replace("-", "_")] = v
-        for k, v in pairs.items():
-            if k == "ttft_ms":
-                t.ttft_ms = float(v)
-            elif k == "itl_ms":
-                t.itl_ms = float(v)
-            elif k == "tokens_per_chunk":
-                t.tokens_per_chunk = max(1, int(v))
-            elif k == "output_tokens":
-                t.force_output_tokens = max(0, int(v))
-            elif k == "fault":
-                t.fault = None if v in ("", "none") else faults.parse(v)
-        return t
-
-    def admit(self, cost_tokens: int) -> tuple[float, dict[str, str]]:
-        """Charges the RPM/TPM buckets. Returns (seconds to wait or 0, rate-limit headers)."""
-        headers: dict[str, str] = {}
-        charges = [(b, n) for b, n in ((self.rpm, 1), (self.tpm, cost_tokens)) if b is not None]
-        wait = max((_peek(b, n) for b, n in charges), default=0.0)
-        if wait == 0.0:
-            for b, n in charges:
-                b.take(n)
-        for bucket, limit, kind in (
-            (self.rpm, self.config.rpm, "requests"),
-            (self.tpm, self.config.tpm, "tokens"),
-        ):
-            if bucket is None or limit is None:
-                continue
-            headers[f"x-ratelimit-limit-{kind}"] = str(int(limit))
-            headers[f"x-ratelimit-remaining-{kind}"] = str(int(bucket.level))
-            headers[f"x-ratelimit-reset-{kind}"] = go_duration(bucket.seconds_until_full())
-        return wait, headers
+        return request_timing(self.config.timing, self.dice.draw(), request.headers, prompt_text)
 
     def record(self, rec: Record) -> None:
         self.records.append(rec)
@@ -201,7 +95,9 @@ class Sim:
             rec.fault = fault.kind
         self.record(rec)
 
-        wait, rl_headers = self.admit(prompt_tokens + int(max_tokens or timing.output_tokens))
+        wait, rl_headers = self.limits.admit(
+            prompt_tokens + int(max_tokens or timing.output_tokens)
+        )
         if wait > 0:
             rec.status = 429
             self.finish(rec, "error")
@@ -209,14 +105,14 @@ class Sim:
                 429,
                 "Rate limit reached. Please try again later.",
                 code="rate_limit_exceeded",
-                headers=_retry_headers(wait, rl_headers),
+                headers=retry_headers(wait, rl_headers),
             )
         if fault is not None and fault.kind == "status":
             rec.status = fault.status
             self.finish(rec, "error")
             headers = rl_headers
             if fault.status == 429:
-                headers = _retry_headers(1.0, rl_headers)
+                headers = retry_headers(1.0, rl_headers)
             return _error(fault.status, f"Simulated error {fault.status}.", headers=headers)
 
         finish_reason = "length" if max_tokens is not None and n_out >= int(max_tokens) else "stop"
@@ -231,7 +127,7 @@ class Sim:
         self.active += 1
         try:
             if stream:
-                return await self._stream(
+                return await stream_completion(
                     request,
                     rec,
                     kind,
@@ -241,6 +137,7 @@ class Sim:
                     finish_reason,
                     usage if opts.get("include_usage") else None,
                     rl_headers,
+                    self.finish,
                 )
             return await self._unary(
                 rec, kind, model, tokens, timing, finish_reason, usage, rl_headers
@@ -302,132 +199,6 @@ class Sim:
         return web.Response(
             body=orjson.dumps(body), content_type="application/json", headers=headers
         )
-
-    async def _stream(
-        self,
-        request: web.Request,
-        rec: Record,
-        kind: str,
-        model: str,
-        tokens: list[str],
-        timing: Timing,
-        finish_reason: str,
-        usage: dict[str, int] | None,
-        headers: dict[str, str],
-    ) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
-        )
-        sock = request.transport.get_extra_info("socket") if request.transport else None
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-        await resp.prepare(request)
-        fault = timing.fault
-        fkind = fault.kind if fault else None
-        if fkind == "hang-after-headers":
-            await asyncio.sleep(MAX_HANG)
-            self.finish(rec, "completed")
-            return resp
-
-        created = int(time.time())
-        usage_field = b',"usage":null' if usage is not None else b""
-        if kind == "chat":
-            head = (
-                b'{"id":"chatcmpl-' + rec.id.encode() + b'","object":"chat.completion.chunk",'
-                b'"created":'
-                + str(created).encode()
-                + b',"model":'
-                + orjson.dumps(model)
-                + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
-            )
-            content_pre = b'"delta":{"content":'
-            content_post = b'},"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
-        else:
-            head = (
-                b'{"id":"cmpl-' + rec.id.encode() + b'","object":"text_completion",'
-                b'"created":'
-                + str(created).encode()
-                + b',"model":'
-                + orjson.dumps(model)
-                + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
-            )
-            content_pre = b'"text":'
-            content_post = b',"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
-
-        buf: list[bytes] = []
-        size = 0
-        if kind == "chat":
-            buf.append(
-                sse.encode(
-                    head + b'"delta":{"role":"assistant","content":""},'
-                    b'"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
-                )
-            )
-        if fkind == "garbage":
-            buf.append(b"data: this is not json\n\n")
-        await resp.write(b"".join(buf))
-        buf.clear()
-
-        per = timing.tokens_per_chunk
-        gap = per * timing.itl_ms / 1000.0  # seconds between chunks
-        due = t0 + timing.ttft_ms / 1000.0
-        if fkind == "stall-first":
-            due += fault.ms / 1000.0  # type: ignore[union-attr]
-        sent = 0
-        stalled = False
-        for start in range(0, len(tokens), per):
-            if fault is not None and sent >= fault.after and fkind in ("reset", "truncate"):
-                if buf:
-                    await resp.write(b"".join(buf))
-                rec.tokens = sent
-                if fkind == "reset":
-                    _reset(request)
-                    self.finish(rec, "reset")
-                    return resp
-                self.finish(rec, "truncated")
-                await resp.write_eof()
-                return resp
-            if fkind == "stall" and not stalled and sent >= fault.after:  # type: ignore[union-attr]
-                stalled = True
-                due += fault.ms / 1000.0  # type: ignore[union-attr]
-            delay = due - loop.time()
-            if delay > 0 or size >= WRITE_BATCH:
-                if buf:
-                    rec.tokens = sent  # written so far, shown by /sim/stats while running
-                    await resp.write(b"".join(buf))
-                    buf.clear()
-                    size = 0
-                if delay > 0:
-                    await asyncio.sleep(delay)
-            piece = "".join(tokens[start : start + per])
-            ev = b"data: " + head + content_pre + orjson.dumps(piece) + content_post + b"\n\n"
-            buf.append(ev)
-            size += len(ev)
-            sent += len(tokens[start : start + per])
-            due += gap
-        rec.tokens = sent
-        end_delta = b'"delta":{},' if kind == "chat" else b'"text":"",'
-        buf.append(
-            sse.encode(
-                head
-                + end_delta
-                + b'"logprobs":null,"finish_reason":"'
-                + finish_reason.encode()
-                + b'"}]'
-                + usage_field
-                + b"}"
-            )
-        )
-        if usage is not None:
-            tail = head.rsplit(b'"choices":', 1)[0]
-            buf.append(sse.encode(tail + b'"choices":[],"usage":' + orjson.dumps(usage) + b"}"))
-        buf.append(sse.DONE_EVENT)
-        await resp.write(b"".join(buf))
-        await resp.write_eof()
-        self.finish(rec, "completed")
-        return resp
 
     async def models(self, request: web.Request) -> web.Response:
         data = [
@@ -496,25 +267,6 @@ async def _read_body(request: web.Request) -> bytes | None:
     return b"".join(parts)
 
 
-def _peek(bucket: TokenBucket, n: float) -> float:
-    """Seconds until n units are in the bucket, without taking them."""
-    level = bucket.level
-    if n <= level:
-        return 0.0
-    if n > bucket.capacity:
-        return math.inf
-    return (n - level) / bucket.rate
-
-
-def _retry_headers(wait: float, headers: dict[str, str]) -> dict[str, str]:
-    wait = 60.0 if math.isinf(wait) else wait
-    return {
-        **headers,
-        "retry-after": str(max(1, math.ceil(wait))),
-        "retry-after-ms": str(max(1, math.ceil(wait * 1000))),
-    }
-
-
 def _error(
     status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
 ) -> web.Response:
@@ -535,17 +287,6 @@ def _error(
     return web.Response(
         status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
     )
-
-
-def _reset(request: web.Request) -> None:
-    transport = request.transport
-    if transport is None:
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        # Linger 0: close() sends RST instead of FIN, like a crashed or cut-off server.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    transport.abort()
 
 
 def _content_text(content: Any) -> str:

@@ -1,0 +1,72 @@
+"""What the sim is told to do: its server config, and each request's timing and fault.
+
+A request's timing starts from the configured default, takes a fault drawn by the rated-fault
+dice, then any `x-sim-*` header or `[[sim ...]]` directive in the prompt (directives win).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from tokenpipe.engines.sim import faults
+from tokenpipe.engines.sim.faults import Fault
+
+_DIRECTIVE = re.compile(r"\[\[sim ([^\]]*)\]\]")
+
+
+@dataclass(slots=True)
+class Timing:
+    ttft_ms: float = 50.0
+    itl_ms: float = 5.0
+    tokens_per_chunk: int = 1
+    #: Output length when the request gives no max_tokens.
+    output_tokens: int = 64
+    #: Fixed output length that overrides max_tokens (set per request, for tests).
+    force_output_tokens: int | None = None
+    fault: Fault | None = None
+
+
+@dataclass(slots=True)
+class SimConfig:
+    seed: int = 0
+    timing: Timing = field(default_factory=Timing)
+    models: list[str] = field(default_factory=lambda: ["sim-model"])
+    #: Accept any model name (else unknown models get 404).
+    any_model: bool = True
+    rpm: float | None = None
+    tpm: float | None = None
+    #: Depth of the RPM/TPM buckets in seconds of refill (60: a full minute's allowance).
+    bucket_seconds: float = 60.0
+    rated_faults: list[tuple[Fault, float]] = field(default_factory=list)
+
+
+def request_timing(
+    base: Timing, drawn: Fault | None, headers: Mapping[str, str], prompt_text: str
+) -> Timing:
+    """`base` with the drawn fault and the request's overrides. Raises ValueError on a bad one."""
+    t = replace(base)
+    if drawn is not None:
+        t.fault = drawn
+    pairs: dict[str, str] = {}
+    for name, value in headers.items():
+        lname = name.lower()
+        if lname.startswith("x-sim-"):
+            pairs[lname[6:].replace("-", "_")] = value
+    for m in _DIRECTIVE.finditer(prompt_text):
+        for item in m.group(1).split():
+            k, _, v = item.partition("=")
+            pairs[k.replace("-", "_")] = v
+    for k, v in pairs.items():
+        if k == "ttft_ms":
+            t.ttft_ms = float(v)
+        elif k == "itl_ms":
+            t.itl_ms = float(v)
+        elif k == "tokens_per_chunk":
+            t.tokens_per_chunk = max(1, int(v))
+        elif k == "output_tokens":
+            t.force_output_tokens = max(0, int(v))
+        elif k == "fault":
+            t.fault = None if v in ("", "none") else faults.parse(v)
+    return t
