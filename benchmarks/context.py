@@ -246,7 +246,7 @@ async def hop_cost(iterations: int) -> dict[str, Any]:
     import msgspec
 
     from tokenpipe.context.budget import ContextBudget
-    from tokenpipe.front import schema
+    from tokenpipe.dialects import openai_schema as schema
     from tokenpipe.router import Router
     from tokenpipe.router.policy import Policy
     from tokenpipe.settings import ContextSettings, TailSettings

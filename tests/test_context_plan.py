@@ -14,7 +14,8 @@ from tests.local_app import serving
 from tokenpipe.clock import ManualClock
 from tokenpipe.context import plan, summary, tokens
 from tokenpipe.context.gguf_meta import read_metadata
-from tokenpipe.context.windows import WindowDiscovery, known_window
+from tokenpipe.context.windows import WindowDiscovery
+from tokenpipe.control.published import known_window
 from tokenpipe.settings import UpstreamSettings
 from tokenpipe.upstream.http import HttpUpstream
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests import procs
 from tokenpipe.bench.procs import LOG_DIR
-from tokenpipe.front.auth import digest
+from tokenpipe.control.auth import digest
 
 CLIENT_KEY = "tpk-live-CLIENTSECRET-4c1b9e"
 WRONG_KEY = "tpk-live-WRONGSECRET-77aa01"

@@ -180,8 +180,8 @@ def test_only_single_choice_answers_without_tools_can_continue() -> None:
 
 def test_hedge_delay_counts_cut_stalls_as_slower_than_every_ttft_seen() -> None:
     from tokenpipe.router import Router
-    from tokenpipe.settings import TailSettings
     from tokenpipe.router.policy import Policy
+    from tokenpipe.settings import TailSettings
 
     clock = ManualClock()
     tail = Policy(TailSettings(), Router([]), clock)

@@ -18,13 +18,13 @@ import orjson
 
 from tokenpipe import usage as usage_mod
 from tokenpipe.context.budget import ContextBudget, ContextOutcome
+from tokenpipe.control.auth import Authenticator
 from tokenpipe.control.deadline import Scope
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.control.traffic import Ticket, TrafficControl
 from tokenpipe.dialects import CHAT, COMPLETIONS, Dialect
+from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import schema
-from tokenpipe.front.auth import Authenticator
 from tokenpipe.observe import metrics
 from tokenpipe.relay.buffer import WriteNow
 from tokenpipe.relay.events import EventParser

@@ -26,8 +26,8 @@ from tokenpipe.context.lookup import ModelLookup
 from tokenpipe.context.summarizer import Summarizer
 from tokenpipe.control.deadline import UNBOUNDED, Scope
 from tokenpipe.control.traffic import Ticket
+from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import schema
 from tokenpipe.observe import metrics
 from tokenpipe.router.policy import Policy
 from tokenpipe.settings import ContextSettings

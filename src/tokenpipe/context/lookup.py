@@ -15,7 +15,8 @@ from collections.abc import Mapping
 
 from tokenpipe.context import tokens
 from tokenpipe.context.gguf_meta import GGUFError, read_metadata
-from tokenpipe.context.windows import WindowDiscovery, known_window
+from tokenpipe.context.windows import WindowDiscovery
+from tokenpipe.control.published import known_window
 from tokenpipe.errors import GatewayError
 from tokenpipe.router import Router
 from tokenpipe.settings import ContextModel

@@ -13,7 +13,6 @@ A model with no known window is not budgeted at all: guessing would alter reques
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -23,33 +22,12 @@ from tokenpipe.upstream.http import HttpUpstream
 
 log = logging.getLogger("tokenpipe.context")
 
-#: Published context windows (tokens), from OpenAI's model pages. Prefix match, longest first.
-KNOWN_WINDOWS: dict[str, int] = {
-    "gpt-4.1": 1_047_576,
-    "gpt-4o": 128_000,
-    "gpt-4-turbo": 128_000,
-    "gpt-4-32k": 32_768,
-    "gpt-4": 8_192,
-    "gpt-3.5-turbo": 16_385,
-    "o1": 200_000,
-    "o3": 200_000,
-    "o4-mini": 200_000,
-}
-_PREFIXES = sorted(KNOWN_WINDOWS, key=len, reverse=True)  # longest match first
 #: Fields of a /v1/models entry that carry the serving window, in order of trust.
 _MODEL_FIELDS = ("context_window", "max_model_len", "context_length", "n_ctx")
 #: How long an upstream's answer is trusted (seconds); an unreachable one is asked again then.
 DISCOVERY_TTL = 60.0
 #: Bound on remembered (upstream, model) answers; the oldest is forgotten beyond it.
 MAX_DISCOVERED = 4096
-
-
-@functools.lru_cache(maxsize=1024)
-def known_window(model: str) -> int | None:
-    for prefix in _PREFIXES:
-        if model.startswith(prefix):
-            return KNOWN_WINDOWS[prefix]
-    return None
 
 
 def window_from_entry(entry: dict[str, Any]) -> int | None:

@@ -13,12 +13,12 @@ from typing import Any
 
 from tokenpipe import usage as usage_mod
 from tokenpipe.clock import MONOTONIC, Clock
-from tokenpipe.context.windows import known_window
 from tokenpipe.control import cost as cost_mod
 from tokenpipe.control.admission import Admission, Grant
 from tokenpipe.control.aimd import AIMDLimit
 from tokenpipe.control.deadline import UNBOUNDED, Scope
 from tokenpipe.control.limiter import Limiter, Permit
+from tokenpipe.control.published import known_window
 from tokenpipe.control.store import Limits, MemoryStore, Spec, Store
 from tokenpipe.errors import GatewayError
 from tokenpipe.settings import Settings, UpstreamLimits

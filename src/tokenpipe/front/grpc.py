@@ -1,6 +1,6 @@
 """The gRPC front: `tokenpipe.v1.Chat/ChatStream`, many chat requests on one bidirectional stream.
 
-Each request runs in its own task with its own reader, accumulator and flow gate (relay.py), so a
+Each request runs in its own task with its own reader, accumulator and flow gate (relay/), so a
 request paused by zero credit or a low pace holds up nothing but itself: the others keep writing
 to the shared stream. Writes to the stream are serialised by one lock (gRPC allows one writer at a
 time); a write waits only when the whole stream's HTTP/2 window is full, i.e. when the client
@@ -25,8 +25,8 @@ from grpc_reflection.v1alpha import reflection
 from tokenpipe import request_ids
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Piece
+from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import schema
 from tokenpipe.front.grpc_gen import chat_pb2, chat_pb2_grpc
 from tokenpipe.observe import logs
 from tokenpipe.pipeline import Call, Gateway

@@ -22,8 +22,9 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from tokenpipe import request_ids, sse
 from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import cors, drain, schema
+from tokenpipe.front import cors, drain
 from tokenpipe.front.pacing import pace_gate
 from tokenpipe.front.sse_out import emit_sse
 from tokenpipe.observe import logs, metrics
@@ -240,7 +241,8 @@ async def _completion(
 
 
 def _bound_client_buffers(request: web.Request, sndbuf: int) -> None:
-    """Keeps what waits for a slow client small, so the relay sees it and merges (relay.py)."""
+    """Keeps what waits for a slow client small, so the relay sees it and merges
+    (relay/buffer.py)."""
     transport = request.transport
     if transport is None or not sndbuf or transport.get_write_buffer_limits()[1] == sndbuf:
         return  # done already for an earlier request on this connection

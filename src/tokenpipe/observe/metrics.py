@@ -211,7 +211,7 @@ CONTEXT_SUMMARIES = Counter(
     registry=REGISTRY,
 )
 
-# -- relay: backpressure and merging (relay.py) -----------------------------------------------
+# -- relay: backpressure and merging (relay/) -----------------------------------------------
 
 STREAM_MERGED_DELTAS = Counter(
     "tokenpipe_stream_merged_deltas",

@@ -134,9 +134,7 @@ class EventParser:
             tally = self.tally
             if piece.usage:
                 tally.usage = piece.usage
-            if piece.error is not None:
-                tally.finished = True
-            elif piece.finish_reason:
+            if piece.error is not None or piece.finish_reason:
                 tally.finished = True
             if piece.end:
                 self.ended = True
