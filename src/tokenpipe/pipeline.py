@@ -122,26 +122,19 @@ class Gateway:
         changed = ctx.body is not None  # may shorten the request
         if changed:
             ticket.cost = self.traffic.cost(obj)  # the limiter charges what is sent
+        dialect = DIALECTS[kind]
         strip_usage = False
         if req.stream:
-            opts = obj.get("stream_options")
-            if isinstance(opts, dict) and "max_tokens_per_second" in opts:
-                # tokenpipe's own extension: the relay paces to it; upstreams would reject it.
-                opts = {k: v for k, v in opts.items() if k != "max_tokens_per_second"}
-                obj["stream_options"] = opts
-                changed = True
-            wants_usage = bool(req.stream_options and req.stream_options.include_usage)
-            if not wants_usage:
+            changed = dialect.strip_extensions(obj) or changed
+            if not dialect.wants_usage(obj):
                 upstreams = await self.router.candidates(req.model)
                 if all(u.settings.request_usage for u in upstreams):
-                    obj["stream_options"] = {
-                        **(obj.get("stream_options") or {}),
-                        "include_usage": True,
-                    }
+                    # Usage is what quotas and metrics count: asked for on the client's
+                    # behalf, and removed again from what the client gets.
+                    dialect.ask_usage(obj)
                     changed = strip_usage = True
         if changed:
             body = orjson.dumps(obj)
-        dialect = DIALECTS[kind]
         request = Request(
             req.model,
             dialect,

@@ -150,6 +150,19 @@ class Dialect:
         """The SSE bytes of a merged piece: `template` carrying `text`."""
         raise NotImplementedError
 
+    def strip_extensions(self, request: dict[str, Any]) -> bool:
+        """Removes tokenpipe's own fields from a stream request (the relay acts on them;
+        upstreams would reject them). True if the request changed."""
+        return False
+
+    def wants_usage(self, request: dict[str, Any]) -> bool:
+        """The client asked for usage in the stream (or the API always sends it)."""
+        return True
+
+    def ask_usage(self, request: dict[str, Any]) -> None:
+        """Asks for usage in the stream on the client's behalf (`read` with strip_usage
+        removes it again)."""
+
     def continuable(self, request: dict[str, Any]) -> bool:
         """Can a stream of this request, cut after content, continue elsewhere?"""
         return False

@@ -221,6 +221,27 @@ class OpenAIDialect(Dialect):
         (choice["delta"] if kind == "content" else choice)[kind] = text
         return b"data: " + orjson.dumps(template) + b"\n\n"
 
+    def strip_extensions(self, request: dict[str, Any]) -> bool:
+        """`stream_options.max_tokens_per_second`: the pace the client renders at."""
+        opts = request.get("stream_options")
+        if isinstance(opts, dict) and "max_tokens_per_second" in opts:
+            request["stream_options"] = {
+                k: v for k, v in opts.items() if k != "max_tokens_per_second"
+            }
+            return True
+        return False
+
+    def wants_usage(self, request: dict[str, Any]) -> bool:
+        opts = request.get("stream_options")
+        return isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+    def ask_usage(self, request: dict[str, Any]) -> None:
+        opts = request.get("stream_options")
+        request["stream_options"] = {
+            **(opts if isinstance(opts, dict) else {}),
+            "include_usage": True,
+        }
+
     def _remaining(self, obj: dict[str, Any], texts: list[str]) -> None:
         # One delta is one token for the servers we continue on (vLLM, llama.cpp, TGI and the
         # sim stream token by token); the remainder keeps the total length the client set.
