@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 import click
 
 from tokenpipe import __version__
+from tokenpipe.cli_support import configure_logging, fail
 from tokenpipe.ports import PortBusy
 
 if TYPE_CHECKING:
@@ -51,17 +51,6 @@ def main() -> None:
 
     Every command has --help. Start with `tokenpipe serve` (or `make run` in a checkout).
     """
-
-
-def _fail(message: str) -> None:
-    click.echo(f"tokenpipe: {message}", err=True)
-    sys.exit(2)
-
-
-def _logging(level: str, fmt: str = "text") -> None:
-    from tokenpipe.observe import logs
-
-    logs.configure(level, fmt)
 
 
 @main.command()
@@ -148,13 +137,13 @@ def serve(
     """
     from tokenpipe import settings as settings_mod
 
-    _logging(log_level, log_format)
+    configure_logging(log_level, log_format)
     try:
         cfg = settings_mod.load(config_path) if config_path else settings_mod.Settings()
         if upstreams:
             cfg.upstreams = [settings_mod.upstream_from_url(u, i) for i, u in enumerate(upstreams)]
     except settings_mod.ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
         return
     if host is not None:
         cfg.server.host = host
@@ -171,7 +160,7 @@ def serve(
     try:
         _serve(cfg, workers, log_level)
     except PortBusy as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 def _serve(cfg: Settings, workers: int, log_level: str) -> None:
@@ -183,7 +172,7 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
     from tokenpipe.engines.local import model as local_model
 
     if not cfg.upstreams and not local_model.installed():
-        _fail(
+        fail(
             "no upstream configured (--upstream URL or a --config with upstreams), and "
             + local_model.INSTALL_HINT
         )
@@ -227,7 +216,7 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
             # With --workers, N gateway processes share the one model (its queue is fair).
             run_gateway()
     except child.ChildFailed as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 @main.command()
@@ -325,7 +314,7 @@ def sim(
         )
         app = Sim(config).app()
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
         return
     from tokenpipe import ports
 
@@ -334,25 +323,33 @@ def sim(
             ports.check_free(host, port, "--port")
             serving.run(serving.serve(app, host, port, drain_seconds=1.0, name="tokenpipe sim"))
     except PortBusy as e:
-        _fail(str(e))
+        fail(str(e))
+
+
+#: Sub-commands that live in their own modules, as (module, attribute): each module defines a
+#: plain click command and never imports this one (no import cycle); it is added here.
+_OPTIONAL = (
+    ("tokenpipe.engines.local.cli", "local"),
+    ("tokenpipe.bench.cli", "bench"),
+    ("tokenpipe.doctor.cli", "doctor"),
+    ("tokenpipe.context.kv_cli", "kv_command"),
+    ("tokenpipe.config_cli", "config"),
+)
 
 
 def _register_optional() -> None:
-    """Sub-commands that live in their own modules (each adds itself to `main`)."""
+    """Adds the sub-commands of `_OPTIONAL` to `main`; one whose module (or package) is
+    missing is left out, any other missing import is an error."""
     import importlib
 
-    for module in (
-        "tokenpipe.engines.local.cli",
-        "tokenpipe.bench.cli",
-        "tokenpipe.doctor.cli",
-        "tokenpipe.context.kv_cli",
-        "tokenpipe.config_cli",
-    ):
+    for module, name in _OPTIONAL:
         try:
-            importlib.import_module(module)
+            mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
             if not (e.name and module.startswith(e.name)):
                 raise
+            continue
+        main.add_command(getattr(mod, name))
 
 
 _register_optional()

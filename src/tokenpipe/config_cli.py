@@ -13,10 +13,8 @@ import sys
 
 import click
 
-from tokenpipe.cli import main
 
-
-@main.group()
+@click.group()
 def config() -> None:
     """Check configuration files (see docs/config.md)."""
 

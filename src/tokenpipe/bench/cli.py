@@ -13,8 +13,6 @@ from typing import Any
 import click
 import orjson
 
-from tokenpipe.cli import main
-
 
 def _floats(text: str | None) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()] if text else []
@@ -24,7 +22,7 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-@main.command("bench")
+@click.command("bench")
 @click.argument("url", required=False)
 @click.option("--model", default="sim-model", show_default=True, help="Model name to request.")
 @click.option(

@@ -7,7 +7,6 @@ import sys
 
 import click
 
-from tokenpipe.cli import main
 from tokenpipe.context import kv
 
 
@@ -23,7 +22,7 @@ def _size(n: float) -> str:
     return f"{n:,.0f} B"
 
 
-@main.command("kv")
+@click.command("kv")
 @click.option(
     "--model",
     "model_spec",

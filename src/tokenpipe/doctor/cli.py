@@ -10,10 +10,8 @@ from pathlib import Path
 import click
 import orjson
 
-from tokenpipe.cli import main
 
-
-@main.command("doctor")
+@click.command("doctor")
 @click.argument("url")
 @click.option("--model", default="sim-model", show_default=True, help="Model name to request.")
 @click.option(

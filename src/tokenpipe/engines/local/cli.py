@@ -1,13 +1,13 @@
-"""`tokenpipe local`: registers itself on the `tokenpipe` group (see cli._register_optional)."""
+"""`tokenpipe local`: the embedded model's server; `tokenpipe.cli` adds it to its group."""
 
 from __future__ import annotations
 
 import click
 
-from tokenpipe.cli import _fail, _logging, main
+from tokenpipe.cli_support import configure_logging, fail
 
 
-@main.command("local")
+@click.command("local")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8001, show_default=True, help="0: any free port.")
 @click.option(
@@ -99,14 +99,14 @@ def local(
     from tokenpipe import ports, serving
     from tokenpipe.engines.local import model as model_mod
 
-    _logging(log_level)
+    configure_logging(log_level)
     if model_path is None and not model_mod.installed():
-        _fail(model_mod.INSTALL_HINT)
+        fail(model_mod.INSTALL_HINT)
         return
     try:  # the port before the model: a busy port fails at once, not after loading
         held = ports.bound_socket(host, port)  # let go just before the server binds it
     except ports.PortBusy as e:
-        _fail(str(e))
+        fail(str(e))
         return
     port = held.getsockname()[1]
     from tokenpipe.engines.local.app import EngineConfig, LocalServer
@@ -118,7 +118,7 @@ def local(
             )
         )
     except (model_mod.ModelMissing, ValueError, OSError) as e:
-        _fail(f"cannot load the model: {e}")
+        fail(f"cannot load the model: {e}")
         return
     server = LocalServer(
         loaded,
@@ -136,4 +136,4 @@ def local(
             app = server.app()
             serving.run(serving.serve(app, host, port, drain_seconds=5.0, name="tokenpipe local"))
     except ports.PortBusy as e:
-        _fail(str(e))
+        fail(str(e))
