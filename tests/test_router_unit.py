@@ -205,12 +205,6 @@ async def test_when_the_retry_after_the_ttft_deadline_also_stalls_its_error_is_r
     assert a.sent[0].closed and a.sent[0].conn.aborted  # with the request, at the latest
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="race.first_content, TTFT deadline branch: the primary's read task is cancelled and "
-    "its permit released (ticket.failed(504)), but its response stays open upstream while the "
-    "retry is sent; it is closed only by Route.switch or Route.close",
-)
 async def test_past_the_ttft_deadline_the_first_response_is_closed_before_the_retry() -> None:
     open_at_retry: list[bool] = []
     a = ScriptedUpstream("a", [Answer(chunks=[ROLE], end=False)])
@@ -279,9 +273,9 @@ async def test_no_more_sends_than_max_attempts(max_attempts: int) -> None:
     ups = [ScriptedUpstream(n, list(fail), on_post=log) for n in "abc"]
     rig = Rig(ups, {"retries": {"max_attempts": max_attempts}}, clock=ManualClock(), stream=False)
     got = await rig.loop()
-    # In config order, the one that failed last going last (not every one that failed).
-    assert order == ["a", "b", "a", "b"][:max_attempts]
-    last = {"a": ups[0], "b": ups[1]}[order[-1]].sent[-1]
+    # In config order, every upstream before one that failed is tried again.
+    assert order == ["a", "b", "c", "a"][:max_attempts]
+    last = {u.name: u for u in ups}[order[-1]].sent[-1]
     # The last failure goes back to the caller as it was (open, to pass on or discard).
     assert got is not None and not got.ok and got.resp is last.resp and not last.closed
     assert all(s.closed for u in ups for s in u.sent if s is not last)
@@ -369,12 +363,6 @@ async def test_a_cut_stream_continues_with_the_dialects_continuation_body() -> N
     await rig.close(route)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attempt.until_answered: `reason is not None and len(order) == 1` backs off as if "
-    "retrying the same upstream, but `order` was filtered by `eligible`, so a continuation "
-    "on the one other upstream that continues waits a jittered backoff it does not need",
-)
 async def test_a_continuation_on_another_upstream_does_not_back_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

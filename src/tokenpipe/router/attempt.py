@@ -224,6 +224,16 @@ async def _first_token(a: Attempt, resp: UpstreamResponse, dialect: Dialect) -> 
             return
 
 
+def _failed_last(order: list[HttpUpstream], failed: list[str]) -> list[HttpUpstream]:
+    """`order` with the upstreams that failed moved to the end, least recent failure first:
+    every upstream is tried before one that failed is tried again."""
+    if not failed:
+        return order
+    rank = {name: i for i, name in enumerate(failed)}
+    fresh = [u for u in order if u.name not in rank]
+    return fresh + sorted((u for u in order if u.name in rank), key=lambda u: rank[u.name])
+
+
 class Tries:
     """The sends one retry loop may make: `used` of `limit`, counted under `label` in
     tokenpipe_retries_total (default: the reason of each retry)."""
@@ -248,20 +258,23 @@ async def until_answered(
     reason: str | None = None,
     eligible: Callable[[HttpUpstream], bool] | None = None,
 ) -> Attempt | None:
-    """The one retry loop: sends (to the upstreams serving the model, in order, the one that
-    failed last going last) until an attempt is answered, and returns it; or returns the last
-    failed attempt (not yet discarded: the caller passes it on or discards it), or None when
-    nothing could be sent. `reason`: why the first send of this loop is a retry already (the
-    request's first send is not; its loop passes None).
+    """The one retry loop: sends (to the upstreams serving the model, in order, those that failed
+    going last, the most recent failure last of all) until an attempt is answered, and
+    returns it; or returns the last failed attempt (not yet discarded: the caller passes it
+    on or discards it), or None when nothing could be sent. `reason`: why the first send of
+    this loop is a retry already (the request's first send is not; its loop passes None).
 
     Each retry needs a send left (`tries`), time left in the request's scope and the retry
     budget. The loop stops at an answer, at a failure no retry would change (no limiter
     capacity, broken bytes, the scope passed) and when the model's only upstream answered 429
     asking for a longer pause than `retries.max_429_wait_seconds` (the client decides). A retry
-    to the same upstream waits a jittered backoff first (within the scope)."""
+    to the upstream that just failed waits a jittered backoff first (within the scope).
+    `avoid`: an upstream that failed before this loop (the stream's own, for a retry or a
+    continuation)."""
     retries = policy.settings.retries
     last: Attempt | None = None
     order: list[HttpUpstream] = []
+    failed: list[str] = [avoid] if avoid is not None else []  # least recent first
     try:
         while True:
             if last is not None:
@@ -275,7 +288,10 @@ async def until_answered(
                 ):
                     return last  # the only upstream asks for a long pause: the client decides
                 reason = last.reason or "connect"
-                avoid = last.upstream.name
+                name = last.upstream.name
+                if name in failed:
+                    failed.remove(name)
+                failed.append(name)
             if reason is not None and (  # this send is a retry
                 req.scope.passed()
                 or not policy.may_retry(tries.used, tries.limit, reason, tries.label)
@@ -284,13 +300,14 @@ async def until_answered(
             order = await policy.order(req.model)
             if eligible is not None:
                 order = [u for u in order if eligible(u)]
-            target = policy.pick(order, avoid)
+            target = policy.pick(_failed_last(order, failed))
             if target is None:
                 return last
             if last is not None:
                 last.discard(last.resp.status if last.resp is not None else 502)
                 last = None
-            if reason is not None and len(order) == 1:  # the same upstream again: back off first
+            if reason is not None and failed and target.name == failed[-1]:
+                # The upstream that just failed, again: back off first (within the scope).
                 pause = backoff(
                     tries.used, retries.backoff_base_seconds, retries.backoff_cap_seconds
                 )

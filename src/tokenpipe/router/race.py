@@ -143,6 +143,7 @@ async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> 
                 if primary is not None:
                     await cancel(primary)
                     primary = None
+                    uresp.close()  # at once: the stalled upstream stops generating for it
                     route.ticket.failed(504)
                     policy.censored(name, req.model, req.cls)
                 if hedge is not None:
