@@ -56,11 +56,13 @@ class Gateway:
         request_id: str,
         started: float,
         headers: Mapping[str, str],
+        pace: float | None = None,
     ) -> Call:
         """Sends the request upstream; returns once the upstream's headers arrived.
 
         `obj` is the request as the client sent it; `body` its bytes, forwarded unchanged
-        unless a hop below must change the request."""
+        unless a hop below must change the request. `pace`: the rate (tokens/s) the client
+        renders at, sent upstream with each attempt (a generating upstream paces to it)."""
         ctx = await self.context.apply(kind, req, obj, headers)  # may shorten the request
         changed = ctx.body is not None
         strip_usage = False
@@ -90,7 +92,7 @@ class Gateway:
         try:
             # Deadlines, retries, hedging, fallbacks, circuit breaking (tail.py).
             upstream, uresp, sent_at, end = await self.tail.open(
-                req.model, path, body, request_id, ticket, stream=stream, headers=headers
+                req.model, path, body, request_id, ticket, stream=stream, headers=headers, pace=pace
             )
         except BaseException:
             ticket.finish()
@@ -109,6 +111,7 @@ class Gateway:
                     ticket,
                     sent_at,
                     end,
+                    pace,
                 )
             return Call(
                 upstream,

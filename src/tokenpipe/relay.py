@@ -30,7 +30,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import msgspec
 import orjson
 
@@ -38,6 +37,7 @@ from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
+from tokenpipe.upstream.errors import UpstreamError
 from tokenpipe.upstream.h1 import UpstreamProtocolError, UpstreamResponse
 from tokenpipe.upstream.http import PROTOCOL_ERROR
 
@@ -788,9 +788,10 @@ async def _read_one(
         if guard is not None:  # names the bound hit: stall, read timeout or a deadline
             return guard.stall_error(), uresp
         return GatewayError(504, "the upstream stopped sending", code="upstream_timeout"), uresp
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+    except UpstreamError:  # the upstream connection broke (a client's write error is no
+        # UpstreamError: a ConnectionResetError, aiohttp's server's included, goes on up)
         if acc.write_error is not None:
-            raise  # the client's side broke (aiohttp's reset error is a ClientConnectionError)
+            raise  # the client is gone as well: nothing to report to it
         return GatewayError(
             502, "the upstream connection broke", code="upstream_stream_truncated"
         ), uresp

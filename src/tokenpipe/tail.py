@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
-import aiohttp
 import orjson
 
 from tokenpipe import sse
@@ -49,6 +48,7 @@ from tokenpipe.observe import metrics
 from tokenpipe.relay import Accumulator, EventParser, Piece, chunk_has_content, push_taker
 from tokenpipe.router import Router
 from tokenpipe.settings import DeadlineSettings, TailSettings
+from tokenpipe.upstream.errors import UpstreamError
 from tokenpipe.upstream.h1 import UpstreamProtocolError, UpstreamResponse
 from tokenpipe.upstream.http import PROTOCOL_ERROR, HttpUpstream
 
@@ -260,6 +260,7 @@ class TailControl:
         deadline: float | None,
         streamed: bool = False,
         end: End | None = None,
+        pace: float | None = None,
     ) -> Attempt:
         """Sends and waits for the first token (`stream`) or the headers. `streamed`: the
         response is a stream even if its first token is not awaited here. Never raises except on
@@ -277,7 +278,7 @@ class TailControl:
         try:
             async with asyncio.timeout(deadline):
                 try:
-                    resp = await a.upstream.post(path, body, request_id, streamed)
+                    resp = await a.upstream.post(path, body, request_id, streamed, pace=pace)
                 except GatewayError as e:
                     a.error, a.reason = e, "connect"
                     a.ticket.failed(e.status)
@@ -313,7 +314,7 @@ class TailControl:
             a.discard(504)
             self._unhealthy(a.upstream.name)
             return a
-        except (aiohttp.ClientError, sse.SSEProtocolError) as e:
+        except (UpstreamError, sse.SSEProtocolError) as e:
             a.error = GatewayError(
                 502, "the upstream connection broke", code="upstream_stream_truncated"
             )
@@ -366,6 +367,7 @@ class TailControl:
         *,
         stream: bool,
         headers: Mapping[str, str] | None = None,
+        pace: float | None = None,
     ) -> tuple[HttpUpstream, UpstreamResponse, float, End | None]:
         """Sends the request, retrying and falling back on connect errors, 5xx and 429; returns
         (upstream, response with its headers, when it was sent, end of the whole-request
@@ -407,6 +409,7 @@ class TailControl:
                     deadline,
                     streamed=stream,
                     end=end,
+                    pace=pace,
                 )
                 if a.fatal is not None:
                     raise a.fatal
@@ -536,6 +539,7 @@ class StreamGuard:
         "model",
         "now",
         "obj",
+        "pace",
         "path",
         "raced",
         "recorded",
@@ -559,6 +563,7 @@ class StreamGuard:
         ticket: Ticket,
         sent_at: float,
         end: End | None,
+        pace: float | None = None,
     ) -> None:
         self._tail = tail
         self.upstream = upstream
@@ -571,6 +576,7 @@ class StreamGuard:
         self.sent_at = sent_at
         self.end = end  # the whole-request deadline, None: none
         self.end_at = None if end is None else end.at
+        self.pace = pace  # tokens/s sent upstream with each attempt (post's `pace`)
         self.cls = prompt_class(ticket.cost.prompt)
         self.stall = tail.stall_deadline(upstream.name, model)  # seconds, None: off
         self.continuations = 0
@@ -716,6 +722,7 @@ class StreamGuard:
                                 True,
                                 max(0.001, ttft_end - now),
                                 end=self.end,
+                                pace=self.pace,
                             )
                         )
         finally:
@@ -810,6 +817,7 @@ class StreamGuard:
                 True,
                 deadline,
                 end=self.end,
+                pace=self.pace,
             )
             if a.ok and a.resp is not None and a.resp.status == 200:
                 return self._switch(a, old, parser, acc)
@@ -945,6 +953,7 @@ class StreamGuard:
                 True,
                 deadline,
                 end=self.end,
+                pace=self.pace,
             )
             if a.ok and a.resp is not None and a.resp.status == 200:
                 metrics.RETRIES.labels("midstream", "retried").inc()

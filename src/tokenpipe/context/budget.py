@@ -19,7 +19,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
 import orjson
 
 from tokenpipe import request_ids
@@ -32,6 +31,7 @@ from tokenpipe.front import schema
 from tokenpipe.observe import metrics
 from tokenpipe.router import Router
 from tokenpipe.settings import ContextModel, ContextSettings
+from tokenpipe.upstream.errors import UpstreamError
 from tokenpipe.upstream.http import read_bounded
 
 log = logging.getLogger("tokenpipe.context")
@@ -393,7 +393,7 @@ class ContextBudget:
         except TimeoutError:
             metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
             return None, "timeout"
-        except (GatewayError, aiohttp.ClientError, ValueError) as e:
+        except (GatewayError, UpstreamError, ValueError) as e:
             log.warning("context: summary by %s failed: %s", summarizer, e)
             metrics.CONTEXT_SUMMARIES.labels("failed").inc()
             return None, "failed"

@@ -14,7 +14,6 @@ import time
 from importlib import resources
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -29,8 +28,8 @@ from tokenpipe.observe import logs, metrics
 from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Call, Gateway
 from tokenpipe.relay import EventParser, StreamTally, emit_sse, relay_stream
-from tokenpipe.upstream import http as upstream_http
-from tokenpipe.upstream.h1 import UpstreamProtocolError, UpstreamResponse
+from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
+from tokenpipe.upstream.h1 import UpstreamResponse
 from tokenpipe.upstream.http import PROTOCOL_ERROR, read_bounded
 
 log = logging.getLogger("tokenpipe.front")
@@ -205,10 +204,16 @@ async def _completion(
             request.headers,
             req.stream_options.max_tokens_per_second if req.stream_options else None,
         )
-    if gate is not None:
-        upstream_http.PACE.set(gate.rate)  # this request's task only: the pace reaches upstream
     call = await gw.open(
-        kind, req, obj, body, key=key, request_id=rid, started=started, headers=request.headers
+        kind,
+        req,
+        obj,
+        body,
+        key=key,
+        request_id=rid,
+        started=started,
+        headers=request.headers,
+        pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
     )
     status = CLIENT_CLOSED
     try:
@@ -247,7 +252,7 @@ async def _unary(uresp: UpstreamResponse, tally: StreamTally, rid: str) -> tuple
         body = await read_bounded(uresp)
     except UpstreamProtocolError as e:  # bad chunk framing and the like
         raise GatewayError(502, f"Upstream broke the protocol: {e}.", code=PROTOCOL_ERROR) from None
-    except (TimeoutError, aiohttp.ClientError):
+    except (TimeoutError, UpstreamError):
         raise GatewayError(
             502, "Upstream closed the connection before answering.", code="upstream_error"
         ) from None
@@ -308,7 +313,8 @@ async def _relay_sse(
         if error is not None:
             error.message = _cut_message(tally, error.message)
             await response.write(sse.encode(error.json()))
-    except ConnectionResetError:
+    except ConnectionResetError:  # the client went away: the relay's direct write, or
+        # aiohttp's server (its ClientConnectionResetError is a ConnectionResetError)
         return CLIENT_CLOSED
     except Exception:
         # A bug of ours mid-stream: the client still gets an error event and the end of the

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
+from tokenpipe.upstream.http import PACE_HEADER  # the same header the gateway sends upstream
 
-PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
 #: tokens per second; far above any renderer (a million tokens a second is no pace at all).
 MAX_RATE = 1e6
 
