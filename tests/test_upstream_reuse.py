@@ -13,6 +13,7 @@ import pytest
 
 from tests import procs
 from tests.test_upstream_h1 import _get_head, _read_head, pool_for, raw_server
+from tokenpipe.upstream.errors import UpstreamDisconnected, UpstreamError
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 SECOND = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nXX"
@@ -96,7 +97,7 @@ async def test_a_request_is_sent_again_at_most_once() -> None:
     async with pool_for(handle) as pool:
         resp = await pool.request(_get_head(), b"", 5.0)
         assert await resp.read() == b"ok"
-        with pytest.raises(aiohttp.ServerDisconnectedError):
+        with pytest.raises(UpstreamDisconnected):
             await pool.request(_get_head(), b"", 5.0)
     assert requests == 3
 
@@ -119,7 +120,7 @@ async def test_no_resend_once_a_byte_of_the_answer_arrived() -> None:
     async with pool_for(handle) as pool:
         resp = await pool.request(_get_head(), b"", 5.0)
         assert await resp.read() == b"ok"
-        with pytest.raises(aiohttp.ClientError):
+        with pytest.raises(UpstreamError):
             await pool.request(_get_head(), b"", 5.0)
         assert pool.resent == 0
     assert requests == 2

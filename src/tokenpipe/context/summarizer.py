@@ -12,7 +12,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 import orjson
 
 from tokenpipe import request_ids
@@ -27,6 +26,7 @@ from tokenpipe.router.attempt import Request
 from tokenpipe.router.policy import Policy
 from tokenpipe.router.route import open_route
 from tokenpipe.settings import ContextSettings
+from tokenpipe.upstream.errors import UpstreamError
 from tokenpipe.upstream.http import read_bounded
 
 log = logging.getLogger("tokenpipe.context")
@@ -77,7 +77,7 @@ class Summarizer:
         except TimeoutError:
             metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
             return None, "timeout"
-        except (GatewayError, aiohttp.ClientError, ValueError) as e:  # TODO upstream errors
+        except (GatewayError, UpstreamError, ValueError) as e:
             log.warning("context: summary by %s failed: %s", summarizer, e)
             metrics.CONTEXT_SUMMARIES.labels("failed").inc()
             return None, "failed"

@@ -27,9 +27,10 @@ class Piece:
 
     What the event says besides its text, for the relay's bookkeeping: `usage` (the counts
     the upstream sent, in OpenAI's shape: `prompt_tokens`, `completion_tokens`; a dialect of
-    another API translates its own, since quotas and metrics count these), `finish_reason`, `error` (the upstream's own error event), `end` (the
-    last event of the stream: `[DONE]`, an error event, or the API's own terminal event);
-    `hidden`: it is not passed on (a usage chunk the gateway asked for itself).
+    another API translates its own, since quotas and metrics count these), `finish_reason`,
+    `error` (the upstream's own error event), `end` (the last event of the stream: `[DONE]`,
+    an error event, or the API's own terminal event); `hidden`: it is not passed on (a usage
+    chunk the gateway asked for itself).
     """
 
     __slots__ = (

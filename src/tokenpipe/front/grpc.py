@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import grpc
 import msgspec
 import orjson
@@ -30,7 +29,7 @@ from tokenpipe.errors import GatewayError
 from tokenpipe.front.grpc_gen import chat_pb2, chat_pb2_grpc
 from tokenpipe.observe import logs
 from tokenpipe.pipeline import Call, Gateway
-from tokenpipe.upstream import http as upstream_http
+from tokenpipe.upstream.errors import UpstreamError
 
 log = logging.getLogger("tokenpipe.grpc")
 
@@ -176,8 +175,6 @@ class _Session:
         self, rid: str, req: chat_pb2.ChatRequest, state: _Request, request_id: str
     ) -> None:
         started = time.perf_counter()
-        if state.gate.rate:  # a pace set before the request reaches a generating upstream
-            upstream_http.PACE.set(state.gate.rate)
         obj: dict[str, Any] = {
             "model": req.model,
             "messages": [{"role": m.role, "content": m.content} for m in req.messages],
@@ -201,7 +198,7 @@ class _Session:
             request_id=request_id,
             started=started,
             headers={},
-            pace=state.gate.rate or None,
+            pace=state.gate.rate or None,  # a pace set before the request: to a generating upstream
         )
         status = CLIENT_CLOSED
         try:
@@ -289,7 +286,7 @@ async def _upstream_error(call: Call) -> GatewayError:
         )
     except (
         TimeoutError,
-        aiohttp.ClientError,
+        UpstreamError,
         orjson.JSONDecodeError,
         LookupError,
         TypeError,

@@ -14,7 +14,6 @@ import time
 from importlib import resources
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -22,17 +21,16 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from tokenpipe import request_ids, sse
 from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import cors, drain
-from tokenpipe.front.pacing import pace_gate
 from tokenpipe.front.sse_out import emit_sse
 from tokenpipe.observe import logs, metrics
 from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Call, Gateway
 from tokenpipe.relay.tally import StreamTally
-from tokenpipe.upstream import http as upstream_http
-from tokenpipe.upstream.h1 import UpstreamProtocolError
+from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
 from tokenpipe.upstream.http import PROTOCOL_ERROR
 
 log = logging.getLogger("tokenpipe.front")
@@ -208,8 +206,6 @@ async def _completion(
             request.headers,
             req.stream_options.max_tokens_per_second if req.stream_options else None,
         )
-    if gate is not None:
-        upstream_http.PACE.set(gate.rate)  # this request's task only: the pace reaches upstream
     call = await gw.open(
         kind,
         req,
@@ -220,7 +216,7 @@ async def _completion(
         started=started,
         headers=request.headers,
         scope=scope,
-        pace=gate.rate if gate is not None else None,
+        pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
     )
     status = CLIENT_CLOSED
     try:
@@ -260,7 +256,7 @@ async def _unary(call: Call, rid: str) -> tuple[int, web.Response]:
         body = await call.read_whole()
     except UpstreamProtocolError as e:  # bad chunk framing and the like
         raise GatewayError(502, f"Upstream broke the protocol: {e}.", code=PROTOCOL_ERROR) from None
-    except (TimeoutError, aiohttp.ClientError):
+    except (TimeoutError, UpstreamError):
         raise GatewayError(
             502, "Upstream closed the connection before answering.", code="upstream_error"
         ) from None
@@ -313,7 +309,8 @@ async def _relay_sse(
         if error is not None:
             error.message = _cut_message(tally, error.message)
             await response.write(sse.encode(error.json()))
-    except ConnectionResetError:
+    except ConnectionResetError:  # the client went away: the relay's direct write, or
+        # aiohttp's server (its ClientConnectionResetError is a ConnectionResetError)
         return CLIENT_CLOSED
     except Exception:
         # A bug of ours mid-stream: the client still gets an error event and the end of the

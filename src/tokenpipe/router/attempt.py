@@ -8,8 +8,6 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
-
 from tokenpipe import sse
 from tokenpipe.control.budget import backoff
 from tokenpipe.control.deadline import Scope
@@ -17,7 +15,8 @@ from tokenpipe.control.traffic import Ticket
 from tokenpipe.dialects import Dialect
 from tokenpipe.errors import GatewayError
 from tokenpipe.router.policy import Policy, prompt_class, retry_after
-from tokenpipe.upstream.h1 import UpstreamProtocolError, UpstreamResponse
+from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
+from tokenpipe.upstream.h1 import UpstreamResponse
 from tokenpipe.upstream.http import PROTOCOL_ERROR, HttpUpstream
 
 #: Bytes an attempt may read before its first content token (role chunks, comments); past
@@ -152,7 +151,9 @@ async def send(
     try:
         async with asyncio.timeout(deadline):
             try:
-                resp = await a.upstream.post(req.dialect.path, body, req.request_id, req.stream)
+                resp = await a.upstream.post(
+                    req.dialect.path, body, req.request_id, req.stream, pace=req.pace
+                )
             except GatewayError as e:
                 a.error, a.reason = e, "connect"
                 a.ticket.failed(e.status)
@@ -186,7 +187,7 @@ async def send(
         a.discard(504)
         policy.unhealthy(name)
         return a
-    except (aiohttp.ClientError, sse.SSEProtocolError) as e:  # broke while reading the prefix
+    except (UpstreamError, sse.SSEProtocolError) as e:  # broke while reading the prefix
         a.error = GatewayError(
             502, "the upstream connection broke", code="upstream_stream_truncated"
         )

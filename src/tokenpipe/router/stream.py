@@ -3,8 +3,6 @@ the stall deadline, then (after a cut) a continuation, until the stream ends."""
 
 from __future__ import annotations
 
-import aiohttp
-
 from tokenpipe import sse
 from tokenpipe.errors import GatewayError
 from tokenpipe.relay.buffer import Accumulator
@@ -14,7 +12,7 @@ from tokenpipe.relay.stream import Reader, read_body
 from tokenpipe.router.race import first_content
 from tokenpipe.router.resume import resume
 from tokenpipe.router.route import Route
-from tokenpipe.upstream.h1 import UpstreamProtocolError
+from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
 from tokenpipe.upstream.http import PROTOCOL_ERROR
 
 
@@ -62,8 +60,8 @@ async def _read_one(route: Route, parser: EventParser, acc: Accumulator) -> Gate
         return GatewayError(502, str(e), code=PROTOCOL_ERROR)
     except TimeoutError:  # names the bound hit: stall, read timeout or the scope
         return route.stall_error()
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+    except UpstreamError:  # the upstream's connection broke mid-stream
         if acc.write_error is not None:
-            raise  # the client's side broke (aiohttp's reset error is a ClientConnectionError)
+            raise  # the client's side broke first: the writer reports that
         return GatewayError(502, "the upstream connection broke", code="upstream_stream_truncated")
     return None

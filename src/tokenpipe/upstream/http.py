@@ -10,27 +10,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextvars import ContextVar
 from typing import Any
 
-import aiohttp
 import orjson
 from yarl import URL
 
+from tokenpipe.control.pacing import PACE_HEADER
 from tokenpipe.errors import GatewayError
-from tokenpipe.front.pacing import PACE_HEADER
 from tokenpipe.settings import UpstreamSettings
 from tokenpipe.upstream import h1
+from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
 
 log = logging.getLogger("tokenpipe.upstream")
 
 #: Largest non-streamed upstream body read into memory (bytes); larger ones are a 502.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
-#: The pace (tokens/s) the client of the current request renders at, set by the front for the
-#: request's task (a number the gateway vetted, never a client header passed on). Upstreams
-#: that generate (`tokenpipe local`) slow decoding to it instead of racing into buffers;
-#: others ignore the header.
-PACE: ContextVar[float | None] = ContextVar("tokenpipe_pace", default=None)
 #: How long a list of the upstream's models is trusted before it is asked again (seconds).
 MODELS_TTL = 60.0
 #: How long after a failed /models the upstream is not asked again (seconds): one that has no
@@ -95,7 +89,13 @@ class HttpUpstream:
             self._pool = None
 
     async def post(
-        self, path: str, body: bytes, request_id: str, stream: bool = False
+        self,
+        path: str,
+        body: bytes,
+        request_id: str,
+        stream: bool = False,
+        *,
+        pace: float | None = None,
     ) -> h1.UpstreamResponse:
         """Sends a request and returns once the response headers arrived.
 
@@ -103,11 +103,13 @@ class HttpUpstream:
         in time. The caller owns the response and must close or release it.
 
         `stream`: the caller bounds the waits itself, for the headers and the first token
-        (tail.TailControl._attempt) and for each read of the body (tail.StreamGuard: the
+        (router.attempt.send) and for each read of the body (relay.stall.StallWatch: the
         stall deadline, capped by `read_timeout_seconds`, with one timer per stream); a read
         timeout of the client's own would re-arm a timer on every chunk, i.e. every token.
+
+        `pace`: the rate (tokens/s) the client renders at, sent as PACE_HEADER; None or 0:
+        none.
         """
-        pace = PACE.get()
         head = b"%sx-request-id: %s\r\n%scontent-length: %d\r\n\r\n" % (
             self._head("POST", path, _ACCEPT_POST),
             request_id.encode("latin-1"),
@@ -121,11 +123,11 @@ class HttpUpstream:
             raise GatewayError(
                 504, f"Upstream '{self.name}' did not answer in time.", code="upstream_timeout"
             ) from None
-        except h1.UpstreamProtocolError as e:
+        except UpstreamProtocolError as e:
             raise GatewayError(
                 502, f"Upstream '{self.name}' broke the protocol: {e}.", code=PROTOCOL_ERROR
             ) from None
-        except aiohttp.ClientError as e:
+        except UpstreamError as e:  # unreachable, or disconnected before the head
             raise GatewayError(
                 502,
                 f"Upstream '{self.name}' is unreachable ({type(e).__name__}).",
@@ -144,7 +146,7 @@ class HttpUpstream:
                     return orjson.loads(await read_bounded(resp, MAX_MODELS_BYTES))
                 finally:
                     resp.close()
-        except (TimeoutError, aiohttp.ClientError, GatewayError, orjson.JSONDecodeError):
+        except (TimeoutError, UpstreamError, GatewayError, orjson.JSONDecodeError):
             log.warning("upstream %s: could not list its models", self.name)
             return None
 

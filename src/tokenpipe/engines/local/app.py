@@ -26,6 +26,7 @@ from aiohttp import web
 from tokenpipe import sse
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.control.pacing import pace_gate
 from tokenpipe.engines.local import decode, metrics
 from tokenpipe.engines.local.decode import Done, Failed, Item, Record
 from tokenpipe.engines.local.handoff import TokenHandoff
@@ -49,7 +50,6 @@ from tokenpipe.engines.local.schema import (
     sampling_params,
 )
 from tokenpipe.errors import GatewayError
-from tokenpipe.front.pacing import pace_gate
 from tokenpipe.observe.metrics import render
 
 #: Request records kept for /local/stats (oldest dropped first). Each holds its token

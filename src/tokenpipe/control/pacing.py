@@ -9,6 +9,10 @@ from collections.abc import Mapping
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 
+#: The header that carries the pace (tokens/s) a client renders at: read by the front from the
+#: client (`pace_gate`) and sent upstream by `HttpUpstream.post(pace=...)` as the number the
+#: gateway vetted, never the client's header passed on. Upstreams that generate (`tokenpipe
+#: local`) slow decoding to it instead of racing into buffers; others ignore it.
 PACE_HEADER = "x-tokenpipe-max-tokens-per-second"
 #: tokens per second; far above any renderer (a million tokens a second is no pace at all).
 MAX_RATE = 1e6

@@ -1,0 +1,177 @@
+"""One keep-alive connection to an upstream (upstream/h1.py): an asyncio protocol that writes
+a request and has llhttp (httptools) parse the answer straight into an UpstreamResponse.
+
+Its failures are upstream/errors.py's: bytes that are not HTTP/1.1 are an
+UpstreamProtocolError, a close or break before the response ended an UpstreamDisconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol, cast
+
+import httptools
+from multidict import CIMultiDict
+
+from tokenpipe.upstream.errors import UpstreamDisconnected, UpstreamProtocolError
+from tokenpipe.upstream.response import UpstreamResponse
+
+#: Longest response head (status line and headers, bytes) accepted; more is a protocol error.
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class Owner(Protocol):
+    """What a connection tells the pool it belongs to (upstream/h1.py's Pool)."""
+
+    def put_back(self, conn: Connection) -> None: ...
+    def forget(self, conn: Connection) -> None: ...
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection; carries one request at a time."""
+
+    def __init__(self, pool: Owner) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.lost = False
+        self.peer_closed = False  # its FIN was seen: never reused
+        self.idle_since = 0.0
+        self.fd = -1  # the socket polled before reuse (-1: TLS, whose records may be pending)
+        self.uses = 0  # requests sent on it
+        self.answered = False  # a byte of the current request's answer arrived
+        self._paused = False
+        self._head: asyncio.Future[UpstreamResponse] | None = None
+        self._head_size = 0
+        self._headers: CIMultiDict[str] = CIMultiDict()
+        self._resp: UpstreamResponse | None = None
+        self._timeout: float | None = None
+        self._informational = False
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("sslcontext") is None:
+            self.fd = sock.fileno()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # llhttp stops at a 101 (see on_headers_complete)
+            self._fail(UpstreamProtocolError("the upstream switched protocols (101)"))
+            self.abort()
+        except httptools.HttpParserError as e:
+            self._fail(UpstreamProtocolError(f"bad HTTP/1.1 from the upstream: {e}"))
+            self.abort()
+
+    def eof_received(self) -> bool | None:
+        self.peer_closed = True
+        return None  # close the transport: a half-closed upstream sends nothing more
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool.forget(self)
+        resp = self._resp
+        if resp is not None and not self._close_delimited(resp):
+            self._fail(UpstreamDisconnected("the upstream connection broke mid-response"))
+        elif resp is not None:
+            resp._end(None)  # no length, not chunked: the body ends with the connection
+            self._resp = None
+        else:
+            self._fail(UpstreamDisconnected("the upstream closed the connection"))
+
+    # -- llhttp callbacks --------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._head is None:
+            # An answer with no request waiting (a second response, bytes after a complete
+            # one): what follows on this connection cannot be trusted. Parsing stops here and
+            # the connection is closed (data_received), never reused.
+            raise httptools.HttpParserError("a response with no request waiting")
+        self.answered = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value)
+        if self._head_size > MAX_HEAD_BYTES:
+            raise httptools.HttpParserError("response head too large")
+        self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
+
+    def on_headers_complete(self) -> None:
+        # 1xx (e.g. 103 Early Hints): skipped. A 101 is too, and then ends the parse: no upgrade
+        # is ever asked for, so the bytes after it are another protocol (data_received).
+        if 100 <= self.parser.get_status_code() < 200:
+            self._informational = True
+            self._headers = CIMultiDict()
+            return
+        head = self._head
+        resp = UpstreamResponse(self, self.parser.get_status_code(), self._headers, self._timeout)
+        self._resp = resp
+        if head is not None and not head.done():
+            head.set_result(resp)
+
+    def on_body(self, body: bytes) -> None:
+        if self._resp is not None:
+            self._resp._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
+        resp, self._resp = self._resp, None
+        reuse = self.parser.should_keep_alive() and not self.lost
+        if resp is not None:
+            resp._end(None)
+        self._head = None
+        if reuse:
+            self.resume()
+            self.pool.put_back(self)
+        else:
+            self.abort()
+
+    # -- used by the pool and the response ---------------------------------------------------
+
+    def send(self, data: bytes, timeout: float | None) -> asyncio.Future[UpstreamResponse]:
+        assert self.transport is not None
+        self._head = asyncio.get_running_loop().create_future()
+        self._head_size = 0
+        self._headers = CIMultiDict()
+        self._timeout = timeout
+        self.uses += 1
+        self.answered = False
+        self.transport.write(data)
+        return self._head
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.lost:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        """Closes at once (a request abandoned mid-way: the upstream sees the close). A
+        response still being read (the pool closed under it) ends with an error."""
+        resp, self._resp = self._resp, None
+        if resp is not None:
+            resp._end(UpstreamDisconnected("the upstream connection was closed"))
+        if self.transport is not None and not self.lost:
+            self.transport.abort()
+        self.lost = True
+        self.pool.forget(self)
+
+    def _fail(self, error: BaseException) -> None:
+        head, self._head = self._head, None
+        if head is not None and not head.done():
+            head.set_exception(error)
+        resp, self._resp = self._resp, None
+        if resp is not None:
+            resp._end(error)
+
+    def _close_delimited(self, resp: UpstreamResponse) -> bool:
+        h = resp.headers
+        return "content-length" not in h and "chunked" not in h.get("transfer-encoding", "")
