@@ -83,22 +83,25 @@ def test_client_gets_a_prefix_then_one_error_or_the_whole_stream(
     assert got.status == 200, got.body
     texts = got.texts()
     goods = [v.decode() for k, v in items if k == "good"]
-    # Always: content is a prefix of the good texts in order, and one terminal, last.
+    # Always: content is a prefix of the good texts in order, and one terminal, last. Text is
+    # compared joined: a read holding many events is a backlog, which the relay may merge
+    # into fewer events with the same text (relay/buffer.py DIRECT_MAX_PIECES).
     content = [t for t in texts if t not in ("$",) and not t.startswith("!")]
-    assert content == goods[: len(content)], texts
+    assert "".join(goods).startswith("".join(content)), texts
     terminals = [t for t in texts if t == "$" or t.startswith("!")]
     assert len(terminals) == 1 and texts[-1] == terminals[0], texts
     if terminals[0] == "$":
-        assert content == goods, texts  # [DONE] only after the whole answer
+        assert "".join(content) == "".join(goods), texts  # [DONE] only after the whole answer
     else:
         assert terminals[0] == "!upstream_protocol_error", texts
     if not any(k == "wild" for k, _ in items):  # then exactly where the first fault is
         kinds = [k for k, _ in items]
         if "fatal" in kinds:
             before = [v.decode() for k, v in items[: kinds.index("fatal")] if k == "good"]
-            assert texts == [*before, "!upstream_protocol_error"], texts
+            assert "".join(content) == "".join(before), texts
+            assert terminals == ["!upstream_protocol_error"], texts
         else:
-            assert texts == [*goods, "$"], texts
+            assert "".join(content) == "".join(goods) and terminals == ["$"], texts
     _no_crash(gateway)
     Current.reply = sse_reply([chat_chunk("ok"), DONE])
     assert asyncio.run(_post(gateway, "chat", "good")).texts() == ["ok", "$"]
