@@ -399,3 +399,21 @@ async def test_recovery_is_off_once_the_record_overflowed() -> None:
     assert rig.parser.texts() == []
     assert _sample("tokenpipe_recovery_record_dropped_total") == dropped + 1
     await rig.close(route)
+
+
+async def test_cancel_raises_the_callers_cancellation_even_in_the_step_the_task_ends() -> None:
+    """The client leaving while the race closes a loser: the reader's own cancellation must
+    not be taken for the loser's (it was swallowed, and the reader read a whole stream for
+    a client that was gone, holding the request open)."""
+    from tokenpipe.router.route import cancel
+
+    async def loser() -> None:
+        await asyncio.Event().wait()
+
+    task = asyncio.create_task(loser())
+    caller = asyncio.create_task(cancel(task))
+    await asyncio.sleep(0)  # one loop step (not a timed wait): the caller is in cancel()
+    caller.cancel()  # in the step the loser ends with its own cancellation
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert task.cancelled()

@@ -70,10 +70,11 @@ class Summarizer:
         fresh = convo[have:n]
         summarizer = self.settings.summarizer_model or model
         try:
-            text = await asyncio.wait_for(
-                self.cache.once(hashes[n], lambda: self._write(summarizer, previous, fresh)),
-                scope.cap(self.settings.summary_deadline_seconds),
-            )
+            # (asyncio.timeout: wait_for may lose a cancellation, see control/limiter.py)
+            async with asyncio.timeout(scope.cap(self.settings.summary_deadline_seconds)):
+                text = await self.cache.once(
+                    hashes[n], lambda: self._write(summarizer, previous, fresh)
+                )
         except TimeoutError:
             metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
             return None, "timeout"

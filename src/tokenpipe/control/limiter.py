@@ -139,7 +139,11 @@ class Limiter:
         waiter = _Waiter(key, tokens, asyncio.get_running_loop().create_future())
         self._enqueue(waiter)
         try:
-            permit = await asyncio.wait_for(asyncio.shield(waiter.future), deadline)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when
+            # the caller is cancelled in the step the permit is granted, and the caller's
+            # cancellation (the client left) is lost.
+            async with asyncio.timeout(deadline):
+                permit = await asyncio.shield(waiter.future)
         except TimeoutError:
             if waiter.future.done() and not waiter.future.cancelled():
                 permit = waiter.future.result()  # granted as the deadline struck: keep it

@@ -181,8 +181,9 @@ async def pump(
             await asyncio.sleep(wait)
         else:
             gate_changed.clear()
-            try:
-                await asyncio.wait_for(gate_changed.wait(), None if math.isinf(wait) else wait)
+            try:  # (asyncio.timeout: wait_for may lose a cancellation, see control/limiter.py)
+                async with asyncio.timeout(None if math.isinf(wait) else wait):
+                    await gate_changed.wait()
             except TimeoutError:
                 pass
 

@@ -5,7 +5,7 @@ and continuations and their tickets, and the stall deadline."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenpipe import sse
 from tokenpipe.control.traffic import Ticket
@@ -176,16 +176,19 @@ class Route:
             raise first
 
 
-async def cancel(task: asyncio.Task[object]) -> None:
+async def cancel(task: asyncio.Task[Any]) -> None:
     """Cancels `task` and waits for it. A cancellation of the caller itself (the client
-    left while we waited) is not swallowed: it is raised once the task is done."""
+    left while we waited) is not swallowed: it is raised once the task is done, even when it
+    came in the same step as the task's own end (the task being done then says nothing about
+    whose cancellation this is; the caller's pending `cancelling()` count does)."""
     task.cancel()
+    me = asyncio.current_task()
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
-        if not task.done():  # the caller was cancelled, not the task: finish it, then go
-            try:
-                await task
+        if not task.done() or (me is not None and me.cancelling()):
+            try:  # the caller was cancelled: let the task finish, then go
+                await asyncio.shield(task)
             except (asyncio.CancelledError, Exception):
                 pass
             raise
