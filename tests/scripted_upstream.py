@@ -111,7 +111,13 @@ class ScriptedUpstream(HttpUpstream):
         self.on_post = on_post
 
     async def post(
-        self, path: str, body: bytes, request_id: str, stream: bool = False
+        self,
+        path: str,
+        body: bytes,
+        request_id: str,
+        stream: bool = False,
+        *,
+        pace: float | None = None,
     ) -> UpstreamResponse:
         if self.on_post is not None:
             self.on_post(self)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 
@@ -43,6 +42,7 @@ from tokenpipe.router.policy import Policy
 from tokenpipe.router.race import first_content
 from tokenpipe.router.route import Route, open_route
 from tokenpipe.router.stream import reader
+from tokenpipe.upstream.errors import UpstreamDisconnected
 
 #: Guards every wait on the router: a hang fails the test instead of stalling the suite.
 HANG = 5.0
@@ -330,7 +330,7 @@ async def test_a_429_is_retried_unless_the_only_upstream_asks_for_a_long_pause(
 
 # -- mid-stream recovery (resume) ----------------------------------------------------------
 
-CUT = aiohttp.ClientPayloadError("the upstream connection broke mid-response")
+CUT = UpstreamDisconnected("the upstream connection broke mid-response")
 RESUME: dict[str, Any] = {**NO_HEDGE, "retries": {"backoff_base_seconds": 0.001}}
 
 
