@@ -73,7 +73,7 @@ class Gateway:
 
     async def open(
         self,
-        kind: type[schema.ChatRequest] | type[schema.CompletionRequest],
+        kind: type[Any],
         req: Any,
         obj: dict[str, Any],
         body: bytes,
@@ -84,12 +84,14 @@ class Gateway:
         headers: Mapping[str, str],
         scope: Scope | None = None,
         pace: float | None = None,
+        dialect: Dialect | None = None,
     ) -> Call:
         """Sends the request upstream; returns once the upstream's headers arrived.
 
         `obj` is the request as the client sent it; `body` its bytes, forwarded unchanged
         unless a hop below must change the request. `pace`: tokens per second the client
-        asked for (the upstream is told, so a generating engine can slow down too)."""
+        asked for (the upstream is told, so a generating engine can slow down too).
+        `dialect`: the API of the request's events and its upstreams (default: `kind`'s)."""
         if scope is None:
             scope = self.scope(headers)
         # The key's quota first: an over-quota key costs nothing more (no token counting, no
@@ -97,7 +99,7 @@ class Gateway:
         ticket = await _within(scope, self.traffic.admit(key, obj, scope), "admission")
         try:
             return await self._open(
-                kind, req, obj, body, ticket, request_id, started, headers, pace
+                kind, req, obj, body, ticket, request_id, started, headers, pace, dialect
             )
         except BaseException:
             ticket.finish()
@@ -105,7 +107,7 @@ class Gateway:
 
     async def _open(
         self,
-        kind: type[schema.ChatRequest] | type[schema.CompletionRequest],
+        kind: type[Any],
         req: Any,
         obj: dict[str, Any],
         body: bytes,
@@ -114,6 +116,7 @@ class Gateway:
         started: float,
         headers: Mapping[str, str],
         pace: float | None,
+        dialect: Dialect | None,
     ) -> Call:
         scope = ticket.scope
         ctx = await _within(
@@ -122,12 +125,13 @@ class Gateway:
         changed = ctx.body is not None  # may shorten the request
         if changed:
             ticket.cost = self.traffic.cost(obj)  # the limiter charges what is sent
-        dialect = DIALECTS[kind]
+        if dialect is None:
+            dialect = DIALECTS[kind]
         strip_usage = False
         if req.stream:
             changed = dialect.strip_extensions(obj) or changed
             if not dialect.wants_usage(obj):
-                upstreams = await self.router.candidates(req.model)
+                upstreams = await self.router.candidates(req.model, dialect.api)
                 if all(u.settings.request_usage for u in upstreams):
                     # Usage is what quotas and metrics count: asked for on the client's
                     # behalf, and removed again from what the client gets.

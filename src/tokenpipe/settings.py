@@ -56,8 +56,13 @@ class AuthSettings(Struct, forbid_unknown_fields=True, kw_only=True):
 
 class UpstreamSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
-    #: Base URL of an OpenAI-compatible API, with its version path (`http://host:port/v1`).
+    #: Base URL of the upstream's API, with its version path (`http://host:port/v1`).
     url: Annotated[str, Meta(pattern="^https?://")]
+    #: The API it speaks: `openai` (chat, completions, responses, embeddings) or `anthropic`
+    #: (Messages). On the command line: `--upstream anthropic+https://api.anthropic.com/v1`.
+    api: Literal["openai", "anthropic"] = "openai"
+    #: The `anthropic-version` header sent to an `anthropic` upstream.
+    anthropic_version: str = "2023-06-01"
     #: Name of the environment variable that holds this upstream's API key (never the key itself).
     api_key_env: str | None = None
     #: Models this upstream serves; "*" forwards any model (the upstream's /v1/models is asked).
@@ -323,11 +328,21 @@ def check(settings: Settings) -> None:
         raise ConfigError(f"upstream names must be unique: {', '.join(dupes)} - at `$.upstreams`")
 
 
+#: `--upstream` scheme prefixes naming the API an upstream speaks (a plain URL is OpenAI's).
+API_PREFIXES = {"anthropic+": "anthropic", "openai+": "openai"}
+
+
 def upstream_from_url(url: str, index: int) -> UpstreamSettings:
-    """`serve --upstream URL`: a base URL with or without `/v1`."""
+    """`serve --upstream URL`: a base URL with or without `/v1`, optionally prefixed by the
+    API it speaks (`anthropic+https://api.anthropic.com/v1`)."""
+    api = "openai"
+    for prefix, name in API_PREFIXES.items():
+        if url.startswith(prefix):
+            api, url = name, url[len(prefix) :]
     try:
         return msgspec.convert(
-            {"name": f"upstream{index}", "url": normalise_base_url(url)}, UpstreamSettings
+            {"name": f"upstream{index}", "url": normalise_base_url(url), "api": api},
+            UpstreamSettings,
         )
     except msgspec.ValidationError:
         raise ConfigError(f"--upstream must be an http(s) URL, got {url!r}") from None

@@ -107,6 +107,8 @@ class ContextBudget:
     ) -> ContextOutcome:
         """Fits `obj` (the request as sent, changed in place) into the model's window; a
         summary call waits within the request's `scope`."""
+        if kind is not schema.ChatRequest and kind is not schema.CompletionRequest:
+            return UNCHANGED  # budgeted only for chat and text completions (so far)
         policy = self.policy(req.model, headers)
         if policy == "off":
             return UNCHANGED

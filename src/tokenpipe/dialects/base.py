@@ -127,10 +127,12 @@ class Piece:
 class Dialect:
     """One API's events, for the relay and the router. Subclasses implement every method.
 
-    `name` is the metric label of the API; `path` the upstream path a request of it goes to.
+    `name` is the metric label of the API; `api` the upstream API its requests go to
+    (`upstreams[].api`: only such upstreams are candidates); `path` the upstream path.
     """
 
     name = ""
+    api = "openai"
     path = ""
 
     def read(

@@ -298,7 +298,7 @@ async def until_answered(
                 or not policy.may_retry(tries.used, tries.limit, reason, tries.label)
             ):
                 return last
-            order = await policy.order(req.model)
+            order = await policy.order(req.model, req.dialect.api)
             if eligible is not None:
                 order = [u for u in order if eligible(u)]
             target = policy.pick(_failed_last(order, failed))

@@ -17,9 +17,12 @@ class Router:
                 if m != "*":
                     metrics.allow_model(m)  # configured: a metric label value
 
-    async def candidates(self, model: str) -> list[HttpUpstream]:
+    async def candidates(self, model: str, api: str = "openai") -> list[HttpUpstream]:
+        """The upstreams speaking `api` that serve `model`, in config order."""
         found = []
         for u in self.upstreams:
+            if u.settings.api != api:
+                continue
             # Known without a wait almost always (config or cached list): no coroutine then.
             serves = u.serves_now(model)
             if serves is None:

@@ -130,9 +130,10 @@ class Policy:
 
     # -- upstream choice and health ----------------------------------------------------------
 
-    async def order(self, model: str) -> list[HttpUpstream]:
-        """The upstreams serving `model`, in `tail.fallbacks` order (else config order)."""
-        candidates = await self.router.candidates(model)
+    async def order(self, model: str, api: str = "openai") -> list[HttpUpstream]:
+        """The upstreams speaking `api` that serve `model`, in `tail.fallbacks` order (else
+        config order)."""
+        candidates = await self.router.candidates(model, api)
         names = self.settings.fallbacks.get(model)
         if not names:
             return candidates

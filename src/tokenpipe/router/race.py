@@ -204,7 +204,8 @@ async def _hedge(route: Route) -> Attempt | None:
     if not policy.hedge_budget.try_spend():
         metrics.child(metrics.HEDGES, "no_budget").inc()
         return None
-    target = policy.pick(await policy.order(route.req.model), avoid=route.upstream.name)
+    req = route.req
+    target = policy.pick(await policy.order(req.model, req.dialect.api), avoid=route.upstream.name)
     if target is None:
         metrics.child(metrics.HEDGES, "no_budget").inc()
         return None

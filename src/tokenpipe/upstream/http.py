@@ -40,6 +40,16 @@ KEEPALIVE_SECONDS = 30.0
 _ACCEPT_POST = "content-type: application/json\r\naccept: text/event-stream\r\n"
 
 
+def _auth_headers(settings: UpstreamSettings, key: str | None) -> str:
+    """The upstream's own auth (and version) header lines, per the API it speaks."""
+    if settings.api == "anthropic":
+        version = settings.anthropic_version
+        if "\r" in version or "\n" in version:
+            raise ValueError(f"upstream '{settings.name}': anthropic_version has a line break")
+        return (f"x-api-key: {key}\r\n" if key else "") + f"anthropic-version: {version}\r\n"
+    return f"authorization: Bearer {key}\r\n" if key else ""
+
+
 class HttpUpstream:
     def __init__(self, settings: UpstreamSettings) -> None:
         self.settings = settings
@@ -52,7 +62,7 @@ class HttpUpstream:
         key = settings.api_key()
         if key and ("\r" in key or "\n" in key):
             raise ValueError(f"upstream '{self.name}': its API key contains a line break")
-        self._auth = f"authorization: Bearer {key}\r\n" if key else ""
+        self._auth = _auth_headers(settings, key)
         self._heads: dict[str, bytes] = {}
         self._models: list[str] | None = None
         self._models_at = 0.0

@@ -1,0 +1,105 @@
+"""The answer of an upstream call, as the HTTP front gives it to the client: a non-streamed
+body (or an upstream error) passed through as sent, or the stream relayed as SSE, with an
+error after the first byte as the stream's last event."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from aiohttp import web
+
+from tokenpipe import sse
+from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.errors import GatewayError
+from tokenpipe.front.edge import CLIENT_CLOSED, json_response
+from tokenpipe.front.sse_out import emit_sse
+from tokenpipe.pipeline import Call
+from tokenpipe.relay.tally import StreamTally
+from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
+from tokenpipe.upstream.http import PROTOCOL_ERROR
+
+log = logging.getLogger("tokenpipe.front")
+
+#: Server-side phases (ms) a generating upstream reports on non-streamed answers
+#: (`tokenpipe local`); passed through as they are. Streams carry them as an SSE comment.
+_SERVER_TIMING_HEADERS = ("x-tokenpipe-queue-ms", "x-tokenpipe-prefill-ms", "x-tokenpipe-decode-ms")
+
+
+async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
+    """A non-streamed answer, or an upstream error before streaming: passed through as sent."""
+    uresp, tally = call.uresp, call.tally
+    try:
+        body = await call.read_whole()
+    except UpstreamProtocolError as e:  # bad chunk framing and the like
+        raise GatewayError(502, f"Upstream broke the protocol: {e}.", code=PROTOCOL_ERROR) from None
+    except (TimeoutError, UpstreamError):
+        raise GatewayError(
+            502, "Upstream closed the connection before answering.", code="upstream_error"
+        ) from None
+    headers = {"x-request-id": rid}
+    status = uresp.status
+    try:
+        obj = orjson.loads(body)  # (orjson's depth limit makes deep nesting a decode error)
+    except orjson.JSONDecodeError:
+        obj = None
+    if status == 200:
+        if not isinstance(obj, dict):
+            raise GatewayError(
+                502, "Upstream sent a response that is not a JSON object.", code=PROTOCOL_ERROR
+            )
+        usage = obj.get("usage")
+        tally.usage = usage if isinstance(usage, dict) else None
+        for name in _SERVER_TIMING_HEADERS:  # the engine's own phases, for doctor and benches
+            value = uresp.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        return status, json_response(status, body, headers)
+    # Upstream error: keep its status when it is an HTTP error a client can act on, make sure
+    # the body is OpenAI-shaped, and keep the rate-limit headers a client's retry logic reads.
+    for name, value in uresp.headers.items():
+        lname = name.lower()
+        if lname.startswith("x-ratelimit-") or lname in ("retry-after", "retry-after-ms"):
+            headers[name] = value
+    if status < 400 or status > 599:
+        status = 502
+    if not (isinstance(obj, dict) and isinstance(obj.get("error"), dict)):
+        body = GatewayError(
+            status, f"Upstream answered with status {uresp.status}.", code="upstream_error"
+        ).json()
+    if status == 429 and "Retry-After" not in uresp.headers:
+        headers.update(GatewayError(429, "").headers)
+    return status, json_response(status, body, headers)
+
+
+async def relay_sse(
+    call: Call, response: web.StreamResponse, gate: FlowGate | None, request: web.Request
+) -> int:
+    """Returns the status to record. Errors after the first byte become an SSE error event."""
+    tally = call.tally
+    emit, write_now, ready = emit_sse(response, request.writer, tally)
+    try:
+        error = await call.relay(emit, gate, write_now=write_now, ready=ready)
+        # An error event is the stream's last: no [DONE] follows it (ARCHITECTURE.md), so a
+        # client that stops at [DONE] never takes a cut answer for a whole one. The same holds
+        # when the stream ended at the upstream's own error event (relayed as it came).
+        if error is not None:
+            error.message = _cut_message(tally, error.message)
+            await response.write(sse.encode(error.json()))
+    except ConnectionResetError:  # the client went away: the relay's direct write, or
+        # aiohttp's server (its ClientConnectionResetError is a ConnectionResetError)
+        return CLIENT_CLOSED
+    except Exception:
+        # A bug of ours mid-stream: the client still gets an error event and the end of the
+        # stream, not a response that never ends (the middleware cannot answer any more).
+        log.exception("internal error while streaming")
+        error = GatewayError(500, _cut_message(tally, "internal error in the gateway"))
+        await response.write(sse.encode(error.json()))
+    await response.write_eof()
+    return 200 if error is None else error.status
+
+
+def _cut_message(tally: StreamTally, why: str) -> str:
+    return (
+        f"The stream was cut after {tally.deltas} content deltas: {why}. The answer is incomplete."
+    )

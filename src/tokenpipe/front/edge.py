@@ -1,0 +1,117 @@
+"""The request edge of the HTTP front, shared by every API's routes: the request id, the
+body read within its size and time bounds, JSON answers and error answers, and the client's
+send buffers bounded for streams."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
+
+from tokenpipe import request_ids
+from tokenpipe.errors import GatewayError
+from tokenpipe.observe import logs
+from tokenpipe.pipeline import Gateway
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_JSON = "application/json"
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # tell nginx-style proxies in front of us not to buffer
+}
+#: Status recorded for a request whose client went away before the end (nginx's convention).
+CLIENT_CLOSED = 499
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+
+def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=body, content_type=_JSON, headers=headers)
+
+
+def error_response(e: GatewayError, request_id: str | None = None) -> web.Response:
+    headers = dict(e.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return json_response(e.status, e.json(), headers)
+
+
+def request_id(request: web.Request) -> str:
+    known: str | None = request.get("request_id")
+    if known is not None:
+        return known
+    rid = request.headers.get("x-request-id")
+    # A client's id is echoed and logged: bounded (128 characters of a safe set), and refused
+    # (replaced by a fresh one) when it looks like a key, which must never be echoed or logged.
+    if rid is None or not _REQUEST_ID_RE.match(rid) or logs.redact(rid) != rid:
+        rid = request_ids.new()
+    request["request_id"] = rid
+    return rid
+
+
+async def read_body(request: web.Request, limit: int, deadline: float) -> bytes:
+    """The body, at most `limit` bytes (else 413), within `deadline` seconds (else 408: a
+    client trickling its body must not hold a handler forever)."""
+    content = request.content
+    if content.is_eof():  # all of it arrived with the headers (the usual case): no timer
+        return await _read_within_limit(request, limit)
+    try:
+        async with asyncio.timeout(deadline):
+            return await _read_within_limit(request, limit)
+    except TimeoutError:
+        raise GatewayError(
+            408, f"The request body did not arrive within {deadline:g} s.", code="request_timeout"
+        ) from None
+
+
+async def _read_within_limit(request: web.Request, limit: int) -> bytes:
+    length = request.content_length
+    if length is not None and length > limit:
+        raise GatewayError(
+            413,
+            f"Request body of {length} bytes is over the limit of {limit} bytes.",
+            code="request_too_large",
+        )
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        # Sizes count decompressed bytes (Content-Encoding: gzip/deflate): aiohttp inflates in
+        # pieces of at most 64 KiB, so a gzip bomb meets the limit (413) in bounded memory.
+        try:
+            chunk = await request.content.readany()
+        except (HttpProcessingError, RequestPayloadError) as e:  # it does not inflate
+            # The rest of the body cannot be read either: marked ended so that aiohttp does
+            # not read it again after the answer (and log a traceback for it).
+            request.content.feed_eof()
+            raise GatewayError(
+                400,
+                f"The request body could not be decoded ({type(e).__name__}).",
+                code="invalid_body",
+            ) from None
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(
+                413, f"Request body is over the limit of {limit} bytes.", code="request_too_large"
+            )
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def bound_client_buffers(request: web.Request, sndbuf: int) -> None:
+    """Keeps what waits for a slow client small, so the relay sees it and merges
+    (relay/buffer.py)."""
+    transport = request.transport
+    if transport is None or not sndbuf or transport.get_write_buffer_limits()[1] == sndbuf:
+        return  # done already for an earlier request on this connection
+    # The event loop's own buffer: the write waits (drain) above this many bytes.
+    transport.set_write_buffer_limits(high=sndbuf)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
