@@ -203,6 +203,11 @@ class Call:
     def upstream(self) -> HttpUpstream:
         return self.route.upstream
 
+    @property
+    def dialect(self) -> Dialect:
+        """The API of the events (and bodies) the client gets."""
+        return self.route.req.dialect
+
     async def read_whole(self, limit: int | None = None) -> bytes:
         """The whole body of a non-streamed answer (or an upstream error), bounded."""
         if limit is None:

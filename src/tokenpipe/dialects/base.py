@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenpipe import sse
+from tokenpipe.errors import GatewayError
 from tokenpipe.settings import UpstreamSettings
 
 #: Accounting overhead per queued piece (bytes), so many tiny pieces still count.
@@ -144,6 +146,23 @@ class Dialect:
         sse.SSEProtocolError for an event that cannot be read (the stream then ends with one
         protocol error)."""
         raise NotImplementedError
+
+    # -- what the client gets besides the relayed events --------------------------------------
+
+    def answer(self, body: bytes, obj: dict[str, Any]) -> bytes:
+        """The client's body for a non-streamed 200 answer whose JSON is `obj` (`body` as the
+        upstream sent it): passed through unchanged by a native dialect; a translating one
+        writes the client's API here."""
+        return body
+
+    def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The usage of a non-streamed answer, in OpenAI's shape (see Piece.usage)."""
+        usage = obj.get("usage")
+        return usage if isinstance(usage, dict) else None
+
+    def error_event(self, error: GatewayError) -> bytes:
+        """The SSE event for an error after the stream started (its last event)."""
+        return sse.encode(error.json())
 
     def template(self, raw: bytes) -> tuple[Any, str] | None:
         """A content piece's event parsed for merging: (template, kind), or None when it is

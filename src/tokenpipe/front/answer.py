@@ -9,7 +9,6 @@ import logging
 import orjson
 from aiohttp import web
 
-from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.edge import CLIENT_CLOSED, json_response
@@ -48,8 +47,8 @@ async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
             raise GatewayError(
                 502, "Upstream sent a response that is not a JSON object.", code=PROTOCOL_ERROR
             )
-        usage = obj.get("usage")
-        tally.usage = usage if isinstance(usage, dict) else None
+        tally.usage = call.dialect.usage_of(obj)
+        body = call.dialect.answer(body, obj)
         for name in _SERVER_TIMING_HEADERS:  # the engine's own phases, for doctor and benches
             value = uresp.headers.get(name)
             if value is not None:
@@ -85,7 +84,7 @@ async def relay_sse(
         # when the stream ended at the upstream's own error event (relayed as it came).
         if error is not None:
             error.message = _cut_message(tally, error.message)
-            await response.write(sse.encode(error.json()))
+            await response.write(call.dialect.error_event(error))
     except ConnectionResetError:  # the client went away: the relay's direct write, or
         # aiohttp's server (its ClientConnectionResetError is a ConnectionResetError)
         return CLIENT_CLOSED
@@ -94,7 +93,7 @@ async def relay_sse(
         # stream, not a response that never ends (the middleware cannot answer any more).
         log.exception("internal error while streaming")
         error = GatewayError(500, _cut_message(tally, "internal error in the gateway"))
-        await response.write(sse.encode(error.json()))
+        await response.write(call.dialect.error_event(error))
     await response.write_eof()
     return 200 if error is None else error.status
 
