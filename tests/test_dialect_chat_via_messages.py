@@ -228,3 +228,15 @@ def test_a_whole_message_becomes_a_chat_completion() -> None:
         529, {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
     )
     assert err is not None and orjson.loads(err)["error"]["type"] == "overloaded_error"
+
+
+def test_hostile_usage_counts_are_read_as_absent_not_crashed_on() -> None:
+    bad = {"input_tokens": "12", "output_tokens": True, "cache_read_input_tokens": 1e400}
+    stream = [
+        _event("message_start", message={"id": "m", "model": "claude-x", "usage": bad}),
+        _event("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": -3}),
+        _event("message_stop"),
+    ]
+    pieces, tally = _read([b"".join(stream)])
+    assert tally.usage is not None and tally.usage["prompt_tokens"] == 0
+    assert tally.usage["completion_tokens"] == 0

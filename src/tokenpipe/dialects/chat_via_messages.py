@@ -23,6 +23,7 @@ from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.messages_request import messages_request
 from tokenpipe.dialects.openai import CHAT
+from tokenpipe.usage import count
 
 #: Anthropic's stop reasons as chat's finish reasons (any other: "stop").
 _STOP = {
@@ -39,12 +40,10 @@ def chat_usage(usage: Any) -> dict[str, Any] | None:
     written), as OpenAI counts them; `prompt_tokens_details.cached_tokens` the read ones."""
     if not isinstance(usage, dict):
         return None
-    read = usage.get("cache_read_input_tokens") or 0
-    written = usage.get("cache_creation_input_tokens") or 0
-    prompt = (usage.get("input_tokens") or 0) + read + written
-    completion = usage.get("output_tokens") or 0
-    if not all(isinstance(v, int) for v in (read, written, prompt, completion)):
-        return None
+    read = count(usage.get("cache_read_input_tokens"))
+    written = count(usage.get("cache_creation_input_tokens"))
+    prompt = count(usage.get("input_tokens")) + read + written
+    completion = count(usage.get("output_tokens"))
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -20,6 +20,7 @@ from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.chat_request import chat_request
 from tokenpipe.errors import GatewayError
+from tokenpipe.usage import count
 
 #: chat's finish reasons as Anthropic's stop reasons.
 STOP_REASONS = {
@@ -55,12 +56,12 @@ def _event(kind: str, obj: dict[str, Any]) -> bytes:
 def messages_usage(usage: Any) -> dict[str, int]:
     """OpenAI's usage as Anthropic's: input tokens without the cached ones, which are apart."""
     usage = usage if isinstance(usage, dict) else {}
-    prompt = usage.get("prompt_tokens") or 0
+    prompt = count(usage.get("prompt_tokens"))
     details = usage.get("prompt_tokens_details")
-    cached = (details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else 0
     return {
         "input_tokens": max(0, prompt - cached),
-        "output_tokens": usage.get("completion_tokens") or 0,
+        "output_tokens": count(usage.get("completion_tokens")),
         "cache_read_input_tokens": cached,
     }
 
