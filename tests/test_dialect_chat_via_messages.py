@@ -237,6 +237,6 @@ def test_hostile_usage_counts_are_read_as_absent_not_crashed_on() -> None:
         _event("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": -3}),
         _event("message_stop"),
     ]
-    pieces, tally = _read([b"".join(stream)])
+    _, tally = _read([b"".join(stream)])
     assert tally.usage is not None and tally.usage["prompt_tokens"] == 0
     assert tally.usage["completion_tokens"] == 0
