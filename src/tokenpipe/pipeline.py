@@ -154,7 +154,8 @@ class Gateway:
         route = await open_route(self.policy, request, ticket)
         try:
             tally = StreamTally(route.upstream.name, req.model, started)
-            return Call(route, tally, ticket, ctx, EventParser(tally, strip_usage, dialect))
+            parser = EventParser(tally, strip_usage, dialect.for_stream())
+            return Call(route, tally, ticket, ctx, parser)
         except BaseException:  # no Call to close it: the route ends here
             route.close()
             raise
