@@ -26,7 +26,8 @@ EVENT = TypeAdapter(anthropic.types.RawMessageStreamEvent)
 
 
 def _ev(name: str, **fields: Any) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **fields}) + b"\n\n"
+    data = orjson.dumps({"type": name, **fields})
+    return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
 
 
 def _text(index: int, text: str) -> bytes:
