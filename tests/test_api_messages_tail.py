@@ -234,3 +234,33 @@ def test_hedging_bounds_a_stalled_first_token(tmp_path: Path) -> None:
     text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
     assert text == "".join(islice(sim_text.words(0, "hi"), 20))
     assert metrics['tokenpipe_hedges_total{outcome="won"}'] == 1
+
+
+def test_limits_are_learned_from_the_sims_anthropic_headers(tmp_path: Path) -> None:
+    from tokenpipe.control.ratelimit_headers import parse_instant
+
+    with (
+        procs.sim("--rpm", "600", "--tpm", "100000") as sim,
+        procs.sim("--rpm", "1") as tiny,
+        procs.gateway("--config", _config(tmp_path, [("up", sim.url)])) as gw,
+        anthropic.Anthropic(base_url=gw.url, api_key="k", max_retries=0) as client,
+    ):
+        direct = httpx.post(sim.url + "/v1/messages", json=ASK)
+        for _ in range(3):
+            client.messages.create(**ASK)
+        metrics = asyncio.run(_metrics(gw))
+        assert httpx.post(tiny.url + "/v1/messages", json=ASK).status_code == 200
+        limited = httpx.post(tiny.url + "/v1/messages", json=ASK)
+    h = direct.headers
+    assert (h["anthropic-ratelimit-requests-limit"], h["anthropic-ratelimit-tokens-limit"]) == (
+        "600",
+        "100000",
+    )
+    assert not any(name.startswith("x-ratelimit-") for name in h)
+    reset = parse_instant(h["anthropic-ratelimit-requests-reset"], time.time())
+    assert reset is not None and reset < 1.0  # one request's refill at 10 per second
+    # Read by the gateway (the bucket refills at 10 requests a second between these).
+    assert 590 <= metrics['tokenpipe_ratelimit_remaining{kind="requests",upstream="up"}'] < 600
+    assert metrics['tokenpipe_ratelimit_remaining{kind="tokens",upstream="up"}'] < 100000
+    assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+    assert limited.json()["error"]["type"] == "rate_limit_error"
