@@ -18,19 +18,29 @@ import time
 import uuid
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
 from tokenpipe.engines.sim import text
-from tokenpipe.engines.sim.config import Timing
-from tokenpipe.engines.sim.limits import retry_headers
+from tokenpipe.engines.sim.config import SimConfig, Timing
+from tokenpipe.engines.sim.limits import RateLimits, retry_headers
 from tokenpipe.engines.sim.records import Record
 from tokenpipe.engines.sim.stream import GARBAGE, paced, start
 
-if TYPE_CHECKING:
-    from tokenpipe.engines.sim.app import Sim
+
+class Sim(Protocol):
+    """What these routes use of the sim (app.py's `Sim`): its config, limits and records."""
+
+    config: SimConfig
+    limits: RateLimits
+    active: int
+
+    def timing_for(self, request: web.Request, prompt_text: str) -> Timing: ...
+    def record(self, rec: Record) -> None: ...
+    def finish(self, rec: Record, outcome: str) -> None: ...
+
 
 #: status -> Anthropic's error type.
 _ERROR_TYPES = {
