@@ -264,3 +264,37 @@ def test_limits_are_learned_from_the_sims_anthropic_headers(tmp_path: Path) -> N
     assert metrics['tokenpipe_ratelimit_remaining{kind="tokens",upstream="up"}'] < 100000
     assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
     assert limited.json()["error"]["type"] == "rate_limit_error"
+
+
+async def test_a_stream_cut_by_shutdown_ends_with_anthropics_error_and_new_ones_get_its_503(
+    tmp_path: Path,
+) -> None:
+    import signal
+
+    with procs.sim("--ttft-ms", "10", "--itl-ms", "100", "--output-tokens", "300") as sim:
+        tail = "server:\n  drain_seconds: 1.5\n  drain_grace_seconds: 0.5\n"
+        cfg = _config(tmp_path, [("up", sim.url)], tail)
+        with procs.gateway("--config", cfg, "--drain-grace-seconds", "0.5") as g:
+            body = {**ASK, "max_tokens": 300, "stream": True}
+            async with (
+                aiohttp.ClientSession() as client,
+                client.post(g.url + "/v1/messages", json=body) as stream,
+            ):
+                assert stream.status == 200
+                await stream.content.readline()  # the stream is open and flowing
+                g.signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)  # let the signal arrive (not a synchronisation of ours)
+                async with (
+                    aiohttp.ClientSession() as fresh,
+                    fresh.post(g.url + "/v1/messages", json=body) as refused,
+                ):
+                    assert refused.status == 503 and int(refused.headers["Retry-After"]) >= 1
+                    assert (await refused.json())["error"]["type"] == "overloaded_error"
+                rest = await stream.content.read()
+            assert g.wait(5) == 0 or g.proc.returncode is not None
+    events = sse.SSEDecoder().feed(rest)
+    last = events[-1]
+    assert last.event == "error" and b"message_stop" not in rest
+    error = orjson.loads(last.data)
+    assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
+    assert "shutting down" in error["error"]["message"]
