@@ -217,7 +217,7 @@ def test_a_whole_chat_completion_becomes_a_message_and_errors_take_anthropics_sh
     message = Message.model_validate_json(dialect.answer(orjson.dumps(completion), completion))
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 4
     assert [b.type for b in message.content] == ["text", "tool_use"]
-    err = orjson.loads(dialect.error_body(429, {"error": {"message": "slow down"}}) or b"")
+    err = orjson.loads(dialect.upstream_error_body(429, {"error": {"message": "slow down"}}) or b"")
     assert err == {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
     event = dialect.error_event(GatewayError(504, "too slow"))
     assert event.startswith(b"event: error\n")

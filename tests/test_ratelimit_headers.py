@@ -127,3 +127,50 @@ def test_openai_headers_win_over_anthropic_and_a_reset_alone_says_nothing() -> N
     assert info.requests is not None and info.requests.limit == 60
     assert info.requests.remaining is None  # not mixed with Anthropic's figures
     assert info.tokens is not None and info.tokens.remaining == 900 and info.tokens.reset is None
+
+
+def test_anthropic_token_buckets_total_first_then_input_and_retry_after() -> None:
+    info = parse(
+        {
+            "anthropic-ratelimit-tokens-limit": "80000",
+            "anthropic-ratelimit-tokens-remaining": "79000",
+            "anthropic-ratelimit-tokens-reset": "2026-01-02T03:04:35.500Z",
+            "anthropic-ratelimit-input-tokens-limit": "40000",
+            "anthropic-ratelimit-input-tokens-remaining": "39500",
+            "anthropic-ratelimit-output-tokens-limit": "8000",
+            "anthropic-ratelimit-output-tokens-remaining": "7900",
+            "anthropic-ratelimit-output-tokens-reset": "2026-01-02T03:04:06Z",
+            "retry-after": "7",
+        },
+        NOW,
+    )
+    assert info.tokens is not None and info.tokens.limit == 80000
+    assert info.tokens.reset == 30.5
+    assert info.readings["input-tokens"].remaining == 39500
+    assert info.readings["output-tokens"].reset == 1.0
+    assert info.retry_after == 7.0
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "note"),
+    [
+        ("anthropic-ratelimit-requests-limit", "0", "limit"),  # would block it forever
+        ("anthropic-ratelimit-requests-limit", "inf", "limit"),
+        ("anthropic-ratelimit-requests-remaining", "-5", "remaining"),
+        ("anthropic-ratelimit-tokens-remaining", "1e400", "remaining"),
+        ("anthropic-ratelimit-tokens-reset", "soon", "reset"),
+        ("anthropic-ratelimit-tokens-reset", "2026-01-02T03:04:05", "reset"),  # no time zone
+        ("anthropic-ratelimit-tokens-reset", "2099-01-01T00:00:00Z", "reset"),  # clamped
+        ("retry-after", "999999", "retry-after"),  # clamped to 60 s
+    ],
+)
+def test_anthropic_values_out_of_range_are_dropped_or_clamped(
+    name: str, value: str, note: str
+) -> None:
+    info = parse({"anthropic-ratelimit-tokens-limit": "10", name: value}, NOW)
+    assert [kind for kind, _ in info.notes] == [note]
+    for reading in info.readings.values():
+        assert reading.limit is None or 1 <= reading.limit <= 1e12
+        assert reading.remaining is None or 0 <= reading.remaining <= 1e12
+        assert reading.reset is None or 0 <= reading.reset <= 86_400
+    assert info.retry_after is None or info.retry_after <= 60

@@ -59,7 +59,8 @@ def main() -> None:
     "upstreams",
     multiple=True,
     metavar="URL",
-    help="Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:9000/v1. "
+    help="Base URL of an OpenAI-compatible upstream, e.g. http://127.0.0.1:9000/v1; "
+    "anthropic+URL for Anthropic's Messages API (anthropic+https://api.anthropic.com/v1). "
     "Repeat for fallbacks, tried in order. Overrides the config's upstreams. With none "
     "(here or in the config): the embedded model, run as a child `tokenpipe local`.",
 )
@@ -285,9 +286,12 @@ def sim(
     """Run a simulated OpenAI-compatible upstream with exact, seeded timing and faults.
 
     \b
+    It speaks Anthropic's Messages API too (POST /v1/messages, /v1/messages/count_tokens;
+    as an upstream: --upstream anthropic+URL), with the same timing and faults.
     Per request, these override the defaults: headers x-sim-ttft-ms, x-sim-itl-ms,
-    x-sim-tokens-per-chunk, x-sim-output-tokens, x-sim-fault; or a directive anywhere
-    in the prompt: [[sim ttft_ms=10 itl_ms=2 output_tokens=50 fault=stall:10:3000]].
+    x-sim-tokens-per-chunk, x-sim-output-tokens, x-sim-fault, x-sim-tool; or a directive
+    anywhere in the prompt: [[sim ttft_ms=10 itl_ms=2 output_tokens=50 fault=stall:10:3000]].
+    tool=NAME (Messages with tools; *: the first) answers with a call of that tool.
     GET /sim/stats reports counters and per-request records; POST /sim/reset clears them.
     """
     from tokenpipe import serving

@@ -25,6 +25,7 @@ from tokenpipe.control.traffic import Ticket, TrafficControl
 from tokenpipe.dialects import CHAT, COMPLETIONS, Dialect
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.dialects.chat_via_messages import ChatViaMessages
+from tokenpipe.dialects.messages_via_chat import MessagesViaChat
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
 from tokenpipe.relay.buffer import WriteNow
@@ -45,6 +46,11 @@ DIALECTS: dict[type[Any], Dialect] = {
     schema.CompletionRequest: COMPLETIONS,
 }
 T = TypeVar("T")
+#: Client API (dialect name) -> its translation onto the other API's upstreams (per request).
+TRANSLATIONS: dict[str, type[ChatViaMessages] | type[MessagesViaChat]] = {
+    "chat": ChatViaMessages,
+    "messages": MessagesViaChat,
+}
 
 
 class Gateway:
@@ -58,8 +64,8 @@ class Gateway:
         self.policy = Policy(settings.tail, router)
         self.context = ContextBudget(settings.context, self.policy, self.traffic.internal)
         self.draining = False
-        #: Some upstream speaks another API than OpenAI's: chat may be translated onto it.
-        self.translates = any(u.settings.api != "openai" for u in router.upstreams)
+        #: The APIs the upstreams speak: with one, no request is translated.
+        self.apis = frozenset(u.settings.api for u in router.upstreams)
 
     async def start(self) -> None:
         await self.traffic.start()
@@ -68,21 +74,24 @@ class Gateway:
         await self.traffic.close()
         await self.router.close()
 
-    async def _dialect(self, kind: type[Any], model: str, obj: dict[str, Any]) -> Dialect:
+    async def _dialect(self, native: Dialect, model: str, obj: dict[str, Any]) -> Dialect:
         """The request's API on its upstreams: native when an upstream of the client's API
         serves the model, else a translation onto one that does (chat on an Anthropic
-        upstream). A request never falls over between APIs."""
-        native = DIALECTS[kind]
-        if native is not CHAT or not self.translates:
+        upstream, Messages on an OpenAI one). A request never falls over between APIs."""
+        translation = TRANSLATIONS.get(native.name)
+        if translation is None or self.apis == {native.api}:
             return native
-        try:
-            await self.router.candidates(model, native.api)
-            return native
-        except GatewayError as e:
-            if e.status != 404:
-                raise
-            await self.router.candidates(model, "anthropic")  # 404 when neither serves it
-            return ChatViaMessages(obj)
+        if native.api in self.apis:
+            try:
+                await self.router.candidates(model, native.api)
+                return native
+            except GatewayError as e:
+                if e.status != 404:
+                    raise
+        if translation.api not in self.apis:
+            return native  # the router's 404 names the model
+        await self.router.candidates(model, translation.api)  # 404 when neither serves it
+        return translation(obj)
 
     def scope(self, headers: Mapping[str, str]) -> Scope:
         """The request's one deadline scope: `tail.total_seconds` or the client's
@@ -144,8 +153,7 @@ class Gateway:
         changed = ctx.body is not None  # may shorten the request
         if changed:
             ticket.cost = self.traffic.cost(obj)  # the limiter charges what is sent
-        if dialect is None:
-            dialect = await self._dialect(kind, req.model, obj)
+        dialect = await self._dialect(dialect or DIALECTS[kind], req.model, obj)
         strip_usage = False
         if req.stream:
             changed = dialect.strip_extensions(obj) or changed
@@ -176,7 +184,8 @@ class Gateway:
         route = await open_route(self.policy, request, ticket)
         try:
             tally = StreamTally(route.upstream.name, req.model, started)
-            return Call(route, tally, ticket, ctx, EventParser(tally, strip_usage, dialect))
+            parser = EventParser(tally, strip_usage, dialect.for_stream())
+            return Call(route, tally, ticket, ctx, parser)
         except BaseException:  # no Call to close it: the route ends here
             route.close()
             raise

@@ -166,7 +166,7 @@ class LimitsSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     max_waiting: PositiveInt = 10_000
     #: Learn rate limits from the upstreams' x-ratelimit-* / anthropic-ratelimit-* headers.
     learn_from_headers: bool = True
-    #: AIMD concurrency limit per upstream (shrinks on 429/503/504, grows with demand).
+    #: AIMD concurrency limit per upstream (shrinks on 429/503/504/529, grows with demand).
     adaptive_concurrency: bool = True
     initial_concurrency: PositiveInt = 32
     max_concurrency: PositiveInt = 1024

@@ -3,7 +3,7 @@
 Why AIMD and not a latency gradient (Gradient2, Envoy's adaptive concurrency): an LLM
 request's latency is set mostly by its prompt and output length, which vary tenfold between
 requests, and a provider queues out of sight, so a TTFT gradient mistakes long prompts for
-overload. The signals that do mean "too much" are explicit: 429, 503 and timeouts. AIMD
+overload. The signals that do mean "too much" are explicit: 429, 503 (529) and timeouts. AIMD
 reacts to exactly those and is stable with many independent clients (TCP's argument).
 
 Rule, per request: a drop (429/503/timeout) multiplies the limit by `backoff`, at most once

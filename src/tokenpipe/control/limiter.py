@@ -34,8 +34,9 @@ log = logging.getLogger("tokenpipe.limiter")
 #: Out-of-range rate-limit headers: one line per (upstream, kind) per minute, all limiters.
 _clamp_log = ClampLog(log)
 
-#: Statuses that mean "send less": they shrink the concurrency limit.
-DROP_STATUSES = frozenset({429, 503, 504})
+#: Statuses that mean "send less": they shrink the concurrency limit (529: Anthropic's
+#: overloaded_error, its 503).
+DROP_STATUSES = frozenset({429, 503, 504, 529})
 #: Pause after a 429 that named no retry time (seconds).
 DEFAULT_RETRY = 1.0
 #: Longest Retry-After we tell a client (seconds): an estimate beyond it is not worth more.

@@ -4,13 +4,23 @@ The relay and the router never look inside an event themselves. They ask the dia
 request (`Dialect`, in `base.py`): read this SSE event into a `Piece` (is it content, and its
 text for merging; usage; a finish; an error; the end of the stream), merge neighbouring
 content pieces and write the merged event, say whether a cut stream can continue and build
-the continuation request. OpenAI chat and OpenAI completions (`openai.py`) are the first two;
-a new API is new files here, not edits to `relay/` or `router/`.
+the continuation request. OpenAI chat and OpenAI completions (`openai.py`) and Anthropic
+Messages (`anthropic.py`, with its request schema in `anthropic_schema.py`) are here; a new
+API is new files here, not edits to `relay/` or `router/`.
 
 Layer: below relay and router. May import only `sse`, `settings`, `errors` and `usage`.
 """
 
+from tokenpipe.dialects.anthropic import COUNT_TOKENS, MESSAGES
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.openai import CHAT, COMPLETIONS, chunk_has_content
 
-__all__ = ["CHAT", "COMPLETIONS", "Dialect", "Piece", "chunk_has_content"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "COUNT_TOKENS",
+    "MESSAGES",
+    "Dialect",
+    "Piece",
+    "chunk_has_content",
+]

@@ -166,14 +166,25 @@ class Dialect:
         usage = obj.get("usage")
         return usage if isinstance(usage, dict) else None
 
-    def error_body(self, status: int, obj: Any) -> bytes | None:
-        """The client's body for an upstream error answer whose JSON is `obj` (None: not JSON,
-        or already in the client's shape: passed on as it is)."""
+    def error_body(self, error: GatewayError) -> bytes:
+        """The JSON body of an error answer in this API's shape (OpenAI's by default)."""
+        return error.json()
+
+    def upstream_error_body(self, status: int, obj: Any) -> bytes | None:
+        """The client's body for an upstream error answer whose JSON is `obj` (None: already
+        in the client's shape, or not JSON: passed on as it is, see front/answer.py)."""
         return None
 
     def error_event(self, error: GatewayError) -> bytes:
         """The SSE event for an error after the stream started (its last event)."""
-        return sse.encode(error.json())
+        return sse.encode(self.error_body(error))
+
+    def for_stream(self) -> Dialect:
+        """The dialect one stream's events are read with: `self` for an API whose events
+        each say all they mean; an API that spreads one fact over several events (Anthropic's
+        usage: input tokens first, output tokens at the end) gives each stream a small
+        reader of its own that joins them (the shared dialect stays stateless)."""
+        return self
 
     def template(self, raw: bytes) -> tuple[Any, str] | None:
         """A content piece's event parsed for merging: (template, kind), or None when it is

@@ -226,7 +226,7 @@ class ChatViaMessages(Dialect):
         }
         return orjson.dumps(out)
 
-    def error_body(self, status: int, obj: Any) -> bytes | None:
+    def upstream_error_body(self, status: int, obj: Any) -> bytes | None:
         err = obj.get("error") if isinstance(obj, dict) else None
         if not isinstance(err, dict):
             return None

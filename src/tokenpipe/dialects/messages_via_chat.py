@@ -261,10 +261,13 @@ class MessagesViaChat(Dialect):
         }
         return orjson.dumps(out)
 
-    def error_body(self, status: int, obj: Any) -> bytes | None:
+    def upstream_error_body(self, status: int, obj: Any) -> bytes | None:
         err = obj.get("error") if isinstance(obj, dict) else None
         message = err.get("message") if isinstance(err, dict) else None
         return orjson.dumps(anthropic_error(status, str(message or f"Upstream answered {status}.")))
+
+    def error_body(self, error: GatewayError) -> bytes:
+        return orjson.dumps(anthropic_error(error.status, error.message))
 
     def error_event(self, error: GatewayError) -> bytes:
         return _event("error", {"error": anthropic_error(error.status, error.message)["error"]})

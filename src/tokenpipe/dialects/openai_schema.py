@@ -8,7 +8,7 @@ request in microseconds and names the offending field in its message.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import orjson
@@ -64,10 +64,12 @@ class CompletionRequest(Struct):
 
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+T = TypeVar("T")
 
 
-def parse(body: bytes, kind: type[ChatRequest] | type[CompletionRequest]) -> tuple[Any, dict]:
-    """Returns (typed request, the JSON object as sent). Raises a 400 GatewayError."""
+def parse(body: bytes, kind: type[T]) -> tuple[T, dict]:
+    """Returns (typed request, the JSON object as sent). Raises a 400 GatewayError. Shared
+    by every API's request schema (anthropic_schema too): `kind` is a msgspec Struct."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:

@@ -11,7 +11,14 @@ from aiohttp import web
 
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.errors import GatewayError
-from tokenpipe.front.edge import CLIENT_CLOSED, json_response
+from tokenpipe.front import drain
+from tokenpipe.front.edge import (
+    CLIENT_CLOSED,
+    GATEWAY,
+    SSE_HEADERS,
+    bound_client_buffers,
+    json_response,
+)
 from tokenpipe.front.sse_out import emit_sse
 from tokenpipe.pipeline import Call
 from tokenpipe.relay.tally import StreamTally
@@ -23,6 +30,8 @@ log = logging.getLogger("tokenpipe.front")
 #: Server-side phases (ms) a generating upstream reports on non-streamed answers
 #: (`tokenpipe local`); passed through as they are. Streams carry them as an SSE comment.
 _SERVER_TIMING_HEADERS = ("x-tokenpipe-queue-ms", "x-tokenpipe-prefill-ms", "x-tokenpipe-decode-ms")
+#: The upstream's rate-limit headers passed on with its error (OpenAI's, Anthropic's).
+_RATELIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 
 
 async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
@@ -55,23 +64,51 @@ async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
                 headers[name] = value
         return status, json_response(status, body, headers)
     # Upstream error: keep its status when it is an HTTP error a client can act on, make sure
-    # the body is OpenAI-shaped, and keep the rate-limit headers a client's retry logic reads.
+    # the body is an error of the client's API (OpenAI's and Anthropic's both hold an "error"
+    # object), and keep the rate-limit headers a client's retry logic reads.
     for name, value in uresp.headers.items():
         lname = name.lower()
-        if lname.startswith("x-ratelimit-") or lname in ("retry-after", "retry-after-ms"):
+        if lname.startswith(_RATELIMIT_PREFIXES) or lname in ("retry-after", "retry-after-ms"):
             headers[name] = value
     if status < 400 or status > 599:
         status = 502
-    translated = call.dialect.error_body(status, obj)
+    translated = call.dialect.upstream_error_body(status, obj)
     if translated is not None:
         body = translated
     elif not (isinstance(obj, dict) and isinstance(obj.get("error"), dict)):
-        body = GatewayError(
-            status, f"Upstream answered with status {uresp.status}.", code="upstream_error"
-        ).json()
+        body = call.dialect.error_body(
+            GatewayError(
+                status, f"Upstream answered with status {uresp.status}.", code="upstream_error"
+            )
+        )
     if status == 429 and "Retry-After" not in uresp.headers:
         headers.update(GatewayError(429, "").headers)
     return status, json_response(status, body, headers)
+
+
+async def respond(
+    request: web.Request, call: Call, rid: str, stream: bool, gate: FlowGate | None
+) -> web.StreamResponse:
+    """The client's answer to an opened call: the unary body, an upstream error, or the
+    stream relayed as SSE. Closes the call whatever happens."""
+    status = CLIENT_CLOSED
+    try:
+        if call.uresp.status != 200 or not stream:
+            status, response = await unary(call, rid)
+            response.headers.update(call.ctx.headers)
+            return response
+        sse_response = web.StreamResponse(
+            status=200, headers={**SSE_HEADERS, "x-request-id": rid, **call.ctx.headers}
+        )
+        bound_client_buffers(request, request.app[GATEWAY].settings.server.stream_send_buffer_bytes)
+        await sse_response.prepare(request)
+        # A shutdown cut ends it with an error event of its API.
+        request[drain.STREAM] = sse_response
+        request[drain.ERROR_EVENT] = call.dialect.error_event
+        status = await relay_sse(call, sse_response, gate, request)
+        return sse_response
+    finally:
+        call.close(status)
 
 
 async def relay_sse(

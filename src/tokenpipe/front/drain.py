@@ -66,8 +66,15 @@ def refusal() -> GatewayError:
     )
 
 
-async def end_cut_stream(response: web.StreamResponse) -> None:
-    """The last words of a stream cut by shutdown: one error event, nothing after it."""
+def _openai_event(error: GatewayError) -> bytes:
+    return sse.encode(error.json())
+
+
+async def end_cut_stream(
+    response: web.StreamResponse, error_event: Callable[[GatewayError], bytes] = _openai_event
+) -> None:
+    """The last words of a stream cut by shutdown: one error event (of the stream's API),
+    nothing after it."""
     error = GatewayError(
         503,
         "The stream was cut: the gateway is shutting down (drain_seconds reached). "
@@ -75,12 +82,14 @@ async def end_cut_stream(response: web.StreamResponse) -> None:
         code="shutdown",
     )
     with contextlib.suppress(ConnectionError, RuntimeError):
-        await response.write(sse.encode(error.json()))
+        await response.write(error_event(error))
         await response.write_eof()
 
 
-#: Where the HTTP front keeps a request's started SSE response (so a cut can end it).
+#: Where the HTTP front keeps a request's started SSE response (so a cut can end it), and
+#: the error event of its API.
 STREAM = "tokenpipe_sse_response"
+ERROR_EVENT = "tokenpipe_sse_error_event"
 
 
 def middleware(drain: Drain, draining: Callable[[], bool]) -> Any:
@@ -107,7 +116,7 @@ def middleware(drain: Drain, draining: Callable[[], bool]) -> Any:
                 raise GatewayError(
                     503, "The gateway is shutting down.", code="shutdown", retry_after=RETRY_AFTER
                 ) from None
-            await end_cut_stream(response)
+            await end_cut_stream(response, request.get(ERROR_EVENT, _openai_event))
             return response
         finally:
             drain.tasks.discard(task)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -34,11 +35,28 @@ def json_response(status: int, body: bytes, headers: dict[str, str] | None = Non
     return web.Response(status=status, body=body, content_type=_JSON, headers=headers)
 
 
-def error_response(e: GatewayError, request_id: str | None = None) -> web.Response:
+#: An API's JSON body for an error (`Dialect.error_body`).
+ErrorBody = Callable[[GatewayError], bytes]
+#: The routes whose API writes errors in a shape of its own, by path; every other route
+#: answers OpenAI's. Keyed by path, not set by the handler, so that every error on such a
+#: route takes its shape: those raised before the handler runs (405, the drain's 503) and
+#: those raised below it (auth, an unknown model, a 429 from the limiter) alike.
+ERROR_BODIES: web.AppKey[dict[str, ErrorBody]] = web.AppKey("error_bodies", dict)
+
+
+def error_response(
+    e: GatewayError, request_id: str | None = None, body: ErrorBody | None = None
+) -> web.Response:
     headers = dict(e.headers)
     if request_id:
         headers["x-request-id"] = request_id
-    return json_response(e.status, e.json(), headers)
+    return json_response(e.status, body(e) if body is not None else e.json(), headers)
+
+
+def error_body_of(request: web.Request) -> ErrorBody | None:
+    """The error shape of the request's route (None: OpenAI's)."""
+    bodies = request.app.get(ERROR_BODIES)
+    return bodies.get(request.path) if bodies else None
 
 
 def request_id(request: web.Request) -> str:

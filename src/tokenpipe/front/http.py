@@ -1,7 +1,9 @@
-"""The HTTP front: OpenAI-compatible routes over aiohttp.
+"""The HTTP front: OpenAI-compatible routes over aiohttp (Anthropic's Messages routes are
+front/messages.py's, installed here).
 
 Order of work per request: request id, auth, body size, parse and validate, route, relay.
-Client mistakes are 4xx with an OpenAI error body; nothing here returns a stack trace.
+Client mistakes are 4xx with an error body of the route's API (OpenAI's unless the route says
+otherwise); nothing here returns a stack trace.
 """
 
 from __future__ import annotations
@@ -18,13 +20,11 @@ from aiohttp import web
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import cors, drain
-from tokenpipe.front.answer import relay_sse, unary
+from tokenpipe.front import cors, drain, messages
+from tokenpipe.front.answer import respond
 from tokenpipe.front.edge import (
-    CLIENT_CLOSED,
     GATEWAY,
-    SSE_HEADERS,
-    bound_client_buffers,
+    error_body_of,
     error_response,
     json_response,
     read_body,
@@ -41,23 +41,28 @@ DRAIN: web.AppKey[drain.Drain] = web.AppKey("drain", drain.Drain)
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every error leaves as OpenAI-shaped JSON: ours, aiohttp's (404/405/413), or a bug's."""
+    """Every error leaves as JSON in the route's API's shape (OpenAI's unless the route
+    registered another in ERROR_BODIES): ours, aiohttp's (404/405/413), or a bug's."""
     # Log lines written while serving this request carry its id (observe/logs.py).
     token = logs.REQUEST_ID.set(request_id(request))
     try:
         return await handler(request)
     except GatewayError as e:
-        return error_response(e, request.get("request_id"))
+        return error_response(e, request.get("request_id"), error_body_of(request))
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(_routing_error(request, e), request.get("request_id"))
+        return error_response(
+            _routing_error(request, e), request.get("request_id"), error_body_of(request)
+        )
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("internal error on %s", request.path)
         return error_response(
-            GatewayError(500, "Internal error in the gateway."), request.get("request_id")
+            GatewayError(500, "Internal error in the gateway."),
+            request.get("request_id"),
+            error_body_of(request),
         )
     finally:
         logs.REQUEST_ID.reset(token)
@@ -131,22 +136,7 @@ async def _completion(
         scope=scope,
         pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
     )
-    status = CLIENT_CLOSED
-    try:
-        if call.uresp.status != 200 or not req.stream:
-            status, response = await unary(call, rid)
-            response.headers.update(call.ctx.headers)
-            return response
-        sse_response = web.StreamResponse(
-            status=200, headers={**SSE_HEADERS, "x-request-id": rid, **call.ctx.headers}
-        )
-        bound_client_buffers(request, gw.settings.server.stream_send_buffer_bytes)
-        await sse_response.prepare(request)
-        request[drain.STREAM] = sse_response  # a shutdown cut ends it with an error event
-        status = await relay_sse(call, sse_response, gate, request)
-        return sse_response
-    finally:
-        call.close(status)
+    return await respond(request, call, rid, bool(req.stream), gate)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -199,6 +189,7 @@ def build_app(gateway: Gateway) -> web.Application:
     app.middlewares.append(drain.middleware(app[DRAIN], lambda: gateway.draining))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    messages.install(app)  # /v1/messages, /v1/messages/count_tokens (Anthropic's API)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/healthz", healthz)

@@ -146,7 +146,9 @@ class HttpUpstream:
 
     async def models_json(self, timeout: float = 5.0) -> Any:
         """The upstream's own /models answer, parsed; None when it cannot say (logged)."""
-        head = self._head("GET", "/models", "") + b"\r\n"
+        # Anthropic's list is paged (20 models by default): its largest page holds all.
+        path = "/models?limit=1000" if self.settings.api == "anthropic" else "/models"
+        head = self._head("GET", path, "") + b"\r\n"
         try:
             async with asyncio.timeout(timeout):
                 resp = await self.pool.request(head, b"", timeout)

@@ -1,4 +1,5 @@
-"""The sim's HTTP app: OpenAI-compatible routes with exact, seeded timing and fault injection.
+"""The sim's HTTP app: OpenAI-compatible routes, and Anthropic's Messages (messages.py), with
+exact, seeded timing and fault injection.
 
 The routes parse a request, settle its timing (config.py), charge the rate limits (limits.py) and
 answer whole or streamed (stream.py); /sim/stats reports what each request did (records.py).
@@ -16,7 +17,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from tokenpipe.engines.sim import faults, text
+from tokenpipe.engines.sim import faults, messages, text
 from tokenpipe.engines.sim.config import SimConfig, Timing, request_timing
 from tokenpipe.engines.sim.limits import RateLimits, retry_headers
 from tokenpipe.engines.sim.records import Record
@@ -200,6 +201,19 @@ class Sim:
             body=orjson.dumps(body), content_type="application/json", headers=headers
         )
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API (messages.py)."""
+        body = await _read_body(request)
+        if body is None:
+            return messages.error(413, "Request too large.")
+        return await messages.create(self, request, body)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        body = await _read_body(request)
+        if body is None:
+            return messages.error(413, "Request too large.")
+        return await messages.count_tokens(self, body)
+
     async def models(self, request: web.Request) -> web.Response:
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "tokenpipe-sim"}
@@ -243,6 +257,8 @@ class Sim:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/sim/stats", self.stats)
         app.router.add_post("/sim/reset", self.reset_stats)

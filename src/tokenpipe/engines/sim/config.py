@@ -2,6 +2,7 @@
 
 A request's timing starts from the configured default, takes a fault drawn by the rated-fault
 dice, then any `x-sim-*` header or `[[sim ...]]` directive in the prompt (directives win).
+Besides timing, `tool=NAME` (`x-sim-tool`) makes a Messages answer call a tool.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class Timing:
     #: Fixed output length that overrides max_tokens (set per request, for tests).
     force_output_tokens: int | None = None
     fault: Fault | None = None
+    #: Messages with `tools`: answer with a tool_use block calling this tool ("*": the
+    #: request's first tool); None: answer with text.
+    tool: str | None = None
 
 
 @dataclass(slots=True)
@@ -69,4 +73,6 @@ def request_timing(
             t.force_output_tokens = max(0, int(v))
         elif k == "fault":
             t.fault = None if v in ("", "none") else faults.parse(v)
+        elif k == "tool":
+            t.tool = None if v in ("", "none") else v
     return t

@@ -1,0 +1,76 @@
+"""The Anthropic Messages routes: `POST /v1/messages` (streamed or not) and
+`POST /v1/messages/count_tokens`, for Anthropic's clients.
+
+Native: a Messages request goes to the upstreams with `api: anthropic` only, its bytes
+unchanged, through the same request path as chat (deadline scope, admission, limiter, retries,
+hedging, stall deadlines, disconnect cancel, metrics). The client's key may come as `x-api-key`
+(what Anthropic's SDKs send) or `Authorization: Bearer`; the upstream gets the config's key and
+`anthropic-version`, never the client's headers. Every error on these routes, from the edge
+or from below, is Anthropic's `{"type": "error", "error": {"type", "message"}}` with its
+status. Context budgeting does not apply (yet): it knows OpenAI's request shapes only.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from tokenpipe.control.pacing import pace_gate
+from tokenpipe.dialects import COUNT_TOKENS, MESSAGES, Dialect
+from tokenpipe.dialects import anthropic_schema as schema
+from tokenpipe.front.answer import respond
+from tokenpipe.front.edge import ERROR_BODIES, GATEWAY, read_body, request_id
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    return await _messages(request, schema.MessagesRequest, MESSAGES)
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """A non-streamed passthrough to the upstream's /messages/count_tokens (it costs no
+    tokens: COUNT_TOKENS returns the reservation)."""
+    return await _messages(request, schema.CountTokensRequest, COUNT_TOKENS)
+
+
+async def _messages(
+    request: web.Request,
+    kind: type[schema.MessagesRequest] | type[schema.CountTokensRequest],
+    dialect: Dialect,
+) -> web.StreamResponse:
+    started = time.perf_counter()
+    gw = request.app[GATEWAY]
+    rid = request_id(request)
+    key = gw.auth.check_any(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+    scope = gw.scope(request.headers)  # the request's one deadline scope, from here on
+    server = gw.settings.server
+    body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
+    req, obj = schema.parse(body, kind)
+    gate = pace_gate(request.headers, None) if req.stream else None
+    call = await gw.open(
+        kind,  # not one of the OpenAI schemas: no context budgeting
+        req,
+        obj,
+        body,
+        key=key,
+        request_id=rid,
+        started=started,
+        headers=request.headers,
+        scope=scope,
+        pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
+        dialect=dialect,
+    )
+    return await respond(request, call, rid, bool(req.stream), gate)
+
+
+def install(app: web.Application) -> None:
+    """Adds the routes, with Anthropic's error shape on both (front/edge.py ERROR_BODIES)."""
+    app.router.add_post(MESSAGES_PATH, messages)
+    app.router.add_post(COUNT_TOKENS_PATH, count_tokens)
+    if ERROR_BODIES not in app:
+        app[ERROR_BODIES] = {}
+    for path in (MESSAGES_PATH, COUNT_TOKENS_PATH):
+        app[ERROR_BODIES][path] = MESSAGES.error_body
