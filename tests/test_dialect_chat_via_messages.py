@@ -224,7 +224,7 @@ def test_a_whole_message_becomes_a_chat_completion() -> None:
     assert done.choices[0].finish_reason == "length"
     assert done.choices[0].message.tool_calls is not None
     assert done.usage is not None and done.usage.completion_tokens == 4
-    err = dialect.error_body(
+    err = dialect.upstream_error_body(
         529, {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
     )
     assert err is not None and orjson.loads(err)["error"]["type"] == "overloaded_error"
