@@ -94,9 +94,12 @@ class Gateway:
         `dialect`: the API of the request's events and its upstreams (default: `kind`'s)."""
         if scope is None:
             scope = self.scope(headers)
+        if dialect is None:
+            dialect = DIALECTS[kind]
         # The key's quota first: an over-quota key costs nothing more (no token counting, no
         # summary call). 429 when over.
-        ticket = await _within(scope, self.traffic.admit(key, obj, scope), "admission")
+        admit = self.traffic.admit(key, obj, scope, output=dialect.output)
+        ticket = await _within(scope, admit, "admission")
         try:
             return await self._open(
                 kind, req, obj, body, ticket, request_id, started, headers, pace, dialect
@@ -116,7 +119,7 @@ class Gateway:
         started: float,
         headers: Mapping[str, str],
         pace: float | None,
-        dialect: Dialect | None,
+        dialect: Dialect,
     ) -> Call:
         scope = ticket.scope
         ctx = await _within(
@@ -125,8 +128,6 @@ class Gateway:
         changed = ctx.body is not None  # may shorten the request
         if changed:
             ticket.cost = self.traffic.cost(obj)  # the limiter charges what is sent
-        if dialect is None:
-            dialect = DIALECTS[kind]
         strip_usage = False
         if req.stream:
             changed = dialect.strip_extensions(obj) or changed
@@ -154,7 +155,9 @@ class Gateway:
         route = await open_route(self.policy, request, ticket)
         try:
             tally = StreamTally(route.upstream.name, req.model, started)
-            return Call(route, tally, ticket, ctx, EventParser(tally, strip_usage, dialect))
+            return Call(
+                route, tally, ticket, ctx, EventParser(tally, strip_usage, dialect.events())
+            )
         except BaseException:  # no Call to close it: the route ends here
             route.close()
             raise

@@ -2,8 +2,9 @@
 
 A `Piece` is one upstream event as the relay handles it (or several neighbouring content
 deltas merged); a `Dialect` reads events into pieces and answers the questions the relay and
-the router ask of an API. Both are plain classes: a dialect is one shared object per API,
-stateless, so one instance serves every request.
+the router ask of an API. Both are plain classes: a dialect is usually one shared object per
+API, stateless, so one instance serves every request; one that translates or numbers events
+is made per request (`events`).
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class Dialect:
     name = ""
     api = "openai"
     path = ""
+    #: It generates tokens (an embedding does not: admission reserves no output for it).
+    output = True
 
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
@@ -146,6 +149,13 @@ class Dialect:
         sse.SSEProtocolError for an event that cannot be read (the stream then ends with one
         protocol error)."""
         raise NotImplementedError
+
+    def events(self) -> Dialect:
+        """The dialect that reads the relayed stream of this request: itself, or a translating
+        dialect's per-stream state. The router reads the first events of hedges and retries
+        with `read` too (before the relay takes them over), so a `read` of the request's own
+        dialect must not keep state."""
+        return self
 
     # -- what the client gets besides the relayed events --------------------------------------
 

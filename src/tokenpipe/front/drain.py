@@ -66,8 +66,11 @@ def refusal() -> GatewayError:
     )
 
 
-async def end_cut_stream(response: web.StreamResponse) -> None:
-    """The last words of a stream cut by shutdown: one error event, nothing after it."""
+async def end_cut_stream(
+    response: web.StreamResponse, encode: Callable[[GatewayError], bytes] | None = None
+) -> None:
+    """The last words of a stream cut by shutdown: one error event, nothing after it
+    (`encode`: the error event of the stream's API; default OpenAI chat's)."""
     error = GatewayError(
         503,
         "The stream was cut: the gateway is shutting down (drain_seconds reached). "
@@ -75,12 +78,14 @@ async def end_cut_stream(response: web.StreamResponse) -> None:
         code="shutdown",
     )
     with contextlib.suppress(ConnectionError, RuntimeError):
-        await response.write(sse.encode(error.json()))
+        await response.write(encode(error) if encode else sse.encode(error.json()))
         await response.write_eof()
 
 
 #: Where the HTTP front keeps a request's started SSE response (so a cut can end it).
 STREAM = "tokenpipe_sse_response"
+#: The stream's error event encoder when its API is not chat's (`Dialect.error_event`).
+ERROR_EVENT = "tokenpipe_sse_error_event"
 
 
 def middleware(drain: Drain, draining: Callable[[], bool]) -> Any:
@@ -107,7 +112,7 @@ def middleware(drain: Drain, draining: Callable[[], bool]) -> Any:
                 raise GatewayError(
                     503, "The gateway is shutting down.", code="shutdown", retry_after=RETRY_AFTER
                 ) from None
-            await end_cut_stream(response)
+            await end_cut_stream(response, request.get(ERROR_EVENT))
             return response
         finally:
             drain.tasks.discard(task)

@@ -13,6 +13,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import orjson
 from aiohttp import web
@@ -27,8 +28,111 @@ WRITE_BATCH = 64 * 1024
 #: across a real network, the sim holds a bounded amount in flight: a reader that stops
 #: reading stops the stream within this many bytes, whatever the machine's tcp_wmem allows.
 SEND_BUFFER_BYTES = 256 * 1024
+#: How the arguments of a forced tool call start: `{"words":"<the words>"}`.
+ARGS_OPEN = '{"words":"'
 #: Longest a `hang-after-headers` fault holds a connection (seconds).
 MAX_HANG = 600.0
+
+
+class Frames(Protocol):
+    """The bytes of one API's stream: what opens it, each content delta, what closes it."""
+
+    def opening(self) -> bytes: ...
+
+    def delta(self, text: str) -> bytes: ...
+
+    def closing(self) -> bytes: ...
+
+
+class _ChatFrames:
+    """Chat or text completion chunks, `[DONE]` last."""
+
+    def __init__(
+        self,
+        rec: Record,
+        kind: str,
+        model: str,
+        finish_reason: str,
+        usage: dict[str, int] | None,
+        call: str | None = None,
+    ) -> None:
+        self.kind = kind
+        self.finish_reason = finish_reason
+        self.usage = usage
+        #: A forced tool call (chat only): the function's name; its id; whether it started.
+        self.call = call
+        self.call_id = "call_" + rec.id
+        self.called = False
+        created = str(int(time.time())).encode()
+        self.usage_field = b',"usage":null' if usage is not None else b""
+        if kind == "chat":
+            self.head = (
+                b'{"id":"chatcmpl-' + rec.id.encode() + b'","object":"chat.completion.chunk",'
+                b'"created":'
+                + created
+                + b',"model":'
+                + orjson.dumps(model)
+                + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
+            )
+            self.pre = b"data: " + self.head + b'"delta":{"content":'
+            self.post = b'},"logprobs":null,"finish_reason":null}]' + self.usage_field + b"}\n\n"
+        else:
+            self.head = (
+                b'{"id":"cmpl-' + rec.id.encode() + b'","object":"text_completion",'
+                b'"created":'
+                + created
+                + b',"model":'
+                + orjson.dumps(model)
+                + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
+            )
+            self.pre = b"data: " + self.head + b'"text":'
+            self.post = b',"logprobs":null,"finish_reason":null}]' + self.usage_field + b"}\n\n"
+
+    def opening(self) -> bytes:
+        if self.kind != "chat":
+            return b""
+        return sse.encode(
+            self.head + b'"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]' + self.usage_field + b"}"
+        )
+
+    def delta(self, text: str) -> bytes:
+        if self.call is not None:
+            return self._arguments(text)
+        return self.pre + orjson.dumps(text) + self.post
+
+    def _arguments(self, text: str) -> bytes:
+        """A tool call chunk: the first names the function, the rest add to its arguments."""
+        call: dict[str, object] = {"index": 0, "function": {"arguments": text}}
+        if not self.called:
+            self.called = True
+            function = {"name": self.call, "arguments": ARGS_OPEN + text.lstrip()}
+            call = {"index": 0, "id": self.call_id, "type": "function", "function": function}
+        delta = orjson.dumps({"tool_calls": [call]})
+        tail = b',"logprobs":null,"finish_reason":null}]' + self.usage_field + b"}\n\n"
+        return b"data: " + self.head + b'"delta":' + delta + tail
+
+    def closing(self) -> bytes:
+        end_delta = b'"delta":{},' if self.kind == "chat" else b'"text":"",'
+        out = [self._arguments('"}')] if self.call is not None else []
+        out += [
+            sse.encode(
+                self.head
+                + end_delta
+                + b'"logprobs":null,"finish_reason":"'
+                + self.finish_reason.encode()
+                + b'"}]'
+                + self.usage_field
+                + b"}"
+            )
+        ]
+        if self.usage is not None:
+            tail = self.head.rsplit(b'"choices":', 1)[0]
+            out.append(
+                sse.encode(tail + b'"choices":[],"usage":' + orjson.dumps(self.usage) + b"}")
+            )
+        out.append(sse.DONE_EVENT)
+        return b"".join(out)
 
 
 async def stream_completion(
@@ -42,9 +146,26 @@ async def stream_completion(
     usage: dict[str, int] | None,
     headers: dict[str, str],
     finish: Callable[[Record, str], None],
+    call: str | None = None,
 ) -> web.StreamResponse:
-    """Streams `tokens` as chat or text completion chunks; `finish(rec, outcome)` records how
-    the stream ended (completed, reset or truncated)."""
+    """Streams `tokens` as chat or text completion chunks (see `stream_events`); `call`: the
+    function a forced tool call names (its arguments hold the words)."""
+    frames = _ChatFrames(rec, kind, model, finish_reason, usage, call)
+    return await stream_events(request, rec, frames, tokens, timing, headers, finish)
+
+
+async def stream_events(
+    request: web.Request,
+    rec: Record,
+    frames: Frames,
+    tokens: list[str],
+    timing: Timing,
+    headers: dict[str, str],
+    finish: Callable[[Record, str], None],
+) -> web.StreamResponse:
+    """Streams `tokens` as `frames` writes them, on the request's schedule, with its stream
+    fault applied; `finish(rec, outcome)` records how the stream ended (completed, reset or
+    truncated)."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     resp = web.StreamResponse(
@@ -61,40 +182,8 @@ async def stream_completion(
         finish(rec, "completed")
         return resp
 
-    created = int(time.time())
-    usage_field = b',"usage":null' if usage is not None else b""
-    if kind == "chat":
-        head = (
-            b'{"id":"chatcmpl-' + rec.id.encode() + b'","object":"chat.completion.chunk",'
-            b'"created":'
-            + str(created).encode()
-            + b',"model":'
-            + orjson.dumps(model)
-            + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
-        )
-        content_pre = b'"delta":{"content":'
-        content_post = b'},"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
-    else:
-        head = (
-            b'{"id":"cmpl-' + rec.id.encode() + b'","object":"text_completion",'
-            b'"created":'
-            + str(created).encode()
-            + b',"model":'
-            + orjson.dumps(model)
-            + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
-        )
-        content_pre = b'"text":'
-        content_post = b',"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
-
-    buf: list[bytes] = []
+    buf: list[bytes] = [frames.opening()]
     size = 0
-    if kind == "chat":
-        buf.append(
-            sse.encode(
-                head + b'"delta":{"role":"assistant","content":""},'
-                b'"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
-            )
-        )
     if fkind == "garbage":
         buf.append(b"data: this is not json\n\n")
     await resp.write(b"".join(buf))
@@ -131,29 +220,13 @@ async def stream_completion(
                 size = 0
             if delay > 0:
                 await asyncio.sleep(delay)
-        piece = "".join(tokens[start : start + per])
-        ev = b"data: " + head + content_pre + orjson.dumps(piece) + content_post + b"\n\n"
+        ev = frames.delta("".join(tokens[start : start + per]))
         buf.append(ev)
         size += len(ev)
         sent += len(tokens[start : start + per])
         due += gap
     rec.tokens = sent
-    end_delta = b'"delta":{},' if kind == "chat" else b'"text":"",'
-    buf.append(
-        sse.encode(
-            head
-            + end_delta
-            + b'"logprobs":null,"finish_reason":"'
-            + finish_reason.encode()
-            + b'"}]'
-            + usage_field
-            + b"}"
-        )
-    )
-    if usage is not None:
-        tail = head.rsplit(b'"choices":', 1)[0]
-        buf.append(sse.encode(tail + b'"choices":[],"usage":' + orjson.dumps(usage) + b"}"))
-    buf.append(sse.DONE_EVENT)
+    buf.append(frames.closing())
     await resp.write(b"".join(buf))
     await resp.write_eof()
     finish(rec, "completed")
