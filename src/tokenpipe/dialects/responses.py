@@ -9,7 +9,11 @@ the terminal events carry the usage (`input_tokens`/`output_tokens`, translated 
 OpenAI chat shape that quotas and metrics count) and the end.
 
 One instance per request: it remembers the highest sequence number read, so that an error the
-gateway adds mid-stream (`error_event`) numbers after everything the client has seen.
+gateway adds mid-stream (`error_event`) numbers after everything the client has seen. The
+relayed stream is read by its `events()`, which holds the events before the first output
+(`response.created`, `response.in_progress`, the first item's `added` events) back and sends
+them with it: a hedge or a retry that takes over before content is another response (its own
+id), and the client must see one response only, whole (the SDK checks the identity).
 """
 
 from __future__ import annotations
@@ -98,14 +102,22 @@ class ResponsesDialect(Dialect):
 
     def __init__(self) -> None:
         self.last_seq = -1  # the highest sequence_number read (a max: reads may repeat)
+        self._events = _Relayed(self)
+
+    def events(self) -> Dialect:
+        return self._events
 
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
     ) -> Piece | None:
+        return self.judge(data, event, raw)[0]
+
+    def judge(self, data: bytes, event: str | None, raw: bytes | None) -> tuple[Piece, str]:
+        """The event's piece and its type."""
         if data == sse.DONE:  # not in OpenAI's API; some compatible servers end with it
             piece = Piece(sse.DONE_EVENT)
             piece.end = True
-            return piece
+            return piece, ""
         try:
             e = _decode(data)
         except msgspec.ValidationError:
@@ -131,7 +143,7 @@ class ResponsesDialect(Dialect):
             ):
                 piece.may_merge, piece.dialect = True, self
                 piece.kind = f"t{e.output_index}.{e.content_index}"
-            return piece
+            return piece, kind
         piece = Piece(raw)
         if kind in _FINISHED or kind == "response.failed":
             resp = e.response
@@ -146,7 +158,7 @@ class ResponsesDialect(Dialect):
         elif kind == "error":
             piece.error = error_of(e)
             piece.end = True
-        return piece
+        return piece, kind
 
     def template(self, raw: bytes) -> tuple[Any, str] | None:
         start = raw.find(b"data: ") + 6
@@ -169,8 +181,10 @@ class ResponsesDialect(Dialect):
         return chat_usage(obj.get("usage"))
 
     def error_event(self, error: GatewayError) -> bytes:
+        """After what was held back, if nothing went out yet (the response's start)."""
         self.last_seq += 1
-        return encode_event(error_payload(error, self.last_seq))
+        held, self._events.held = self._events.held, []
+        return b"".join(held) + encode_event(error_payload(error, self.last_seq))
 
     def strip_extensions(self, request: dict[str, Any]) -> bool:
         """`stream_options.max_tokens_per_second`: the pace the client renders at."""
@@ -186,6 +200,55 @@ class ResponsesDialect(Dialect):
 
     def wants_usage(self, request: dict[str, Any]) -> bool:
         return True  # the terminal event always carries it
+
+
+#: Bytes of events held before the first output (past it they go out as they are).
+HELD_MAX = 64 * 1024
+
+
+class _Relayed(Dialect):
+    """The relayed stream's reader (see the module docstring): the events before the first
+    output are held and sent with it; a `response.created` starts the held prefix over (a
+    hedge's or a retry's response taking over before content)."""
+
+    def __init__(self, owner: ResponsesDialect) -> None:
+        self.owner = owner
+        self.held: list[bytes] = []
+        self.size = 0
+        self.started = False  # the first output went out: events pass as they come
+
+    def read(
+        self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
+    ) -> Piece | None:
+        piece, kind = self.owner.judge(data, event, raw)
+        if self.started:
+            return piece
+        if not piece.first:
+            if kind == "response.created":
+                self.held, self.size = [], 0
+            assert piece.raw is not None
+            self.held.append(piece.raw)
+            self.size += len(piece.raw)
+            if self.size <= HELD_MAX:
+                return None
+            self.started = True  # bounded: what was held goes out now
+            piece = Piece(b"".join(self.held))
+            self.held = []
+            return piece
+        self.started = True
+        if self.held:
+            assert piece.raw is not None
+            piece.raw = b"".join(self.held) + piece.raw
+            piece.size += self.size
+            piece.may_merge, piece.kind, piece.template = False, "", None
+            self.held = []
+        return piece
+
+    def template(self, raw: bytes) -> tuple[Any, str] | None:
+        return self.owner.template(raw)
+
+    def render(self, template: Any, kind: str, text: str) -> bytes:
+        return render_text_delta(template, text)
 
 
 def render_text_delta(template: dict[str, Any], text: str) -> bytes:

@@ -143,12 +143,13 @@ class ResponsesViaChat(ChatDialect):
             "temperature": req.get("temperature"),
             "text": req.get("text") or {"format": {"type": "text"}},
             "tool_choice": req.get("tool_choice", "auto"),
-            "tools": req.get("tools") or [],
+            "tools": [_echo_tool(t) for t in req.get("tools") or ()],
             "top_p": req.get("top_p"),
             "truncation": req.get("truncation") or "disabled",
-            "user": req.get("user"),
             "metadata": req.get("metadata") or {},
         }
+        if req.get("user") is not None:  # (the spec has no null user)
+            obj["user"] = req["user"]
         if usage is not None:
             obj["usage"] = usage
         return obj
@@ -406,6 +407,14 @@ class _Translation(Dialect):
         piece.usage = self.usage
         piece.finish_reason = self.finish or "stop"
         return piece
+
+
+def _echo_tool(tool: Any) -> Any:
+    """A request's function tool as a Response lists it (with `strict` and `parameters`,
+    null when the request left them out)."""
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        return {"strict": None, "parameters": None, **tool}
+    return tool
 
 
 def _error_event(error: dict[str, Any]) -> dict[str, Any]:

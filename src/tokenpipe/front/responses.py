@@ -57,13 +57,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if await _native(gw, req.model):
         dialect = ResponsesDialect()  # per request: it numbers the gateway's own error event
     else:
+        dialect = ResponsesViaChat(obj)
         obj = to_chat(obj)
         try:
             req = msgspec.convert(obj, schema.ChatRequest)
         except msgspec.ValidationError as e:  # what the translation let through, chat refuses
             raise GatewayError(400, f"Invalid request: {e}", code="invalid_request") from None
         body, kind = orjson.dumps(obj), schema.ChatRequest
-        dialect = ResponsesViaChat(obj)
     call = await gw.open(
         kind,
         req,

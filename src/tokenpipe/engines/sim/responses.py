@@ -7,6 +7,7 @@ tool (`tool_choice` "required" or naming one) gets a call of it whose arguments 
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import orjson
@@ -68,8 +69,11 @@ class _Shape:
     def __init__(self, rec: Record, model: str, req: dict[str, Any], call: str | None) -> None:
         self.req = req
         self.model = model
-        self.id = "resp_" + rec.id
-        self.item_id = ("fc_" if call else "msg_") + rec.id
+        # Unique per answer, as a real server's are (not the request's id: a hedge of the
+        # same request is another response).
+        unique = uuid.uuid4().hex
+        self.id = "resp_" + unique
+        self.item_id = ("fc_" if call else "msg_") + unique
         self.call = call
         self.created = int(time.time())
 
@@ -117,10 +121,9 @@ class _Shape:
             "temperature": req.get("temperature", 1.0),
             "text": {"format": {"type": "text"}},
             "tool_choice": req.get("tool_choice", "auto"),
-            "tools": req.get("tools") or [],
+            "tools": [{"strict": None, "parameters": None, **t} for t in req.get("tools") or ()],
             "top_p": req.get("top_p", 1.0),
             "truncation": "disabled",
-            "user": None,
             "metadata": req.get("metadata") or {},
         }
         if usage is not None:
