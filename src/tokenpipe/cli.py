@@ -284,6 +284,9 @@ def sim(
 ) -> None:
     """Run a simulated OpenAI-compatible upstream with exact, seeded timing and faults.
 
+    Serves /v1/chat/completions, /v1/completions, /v1/responses (Responses API events and
+    bodies, natively) and /v1/embeddings (deterministic vectors seeded from the input).
+
     \b
     Per request, these override the defaults: headers x-sim-ttft-ms, x-sim-itl-ms,
     x-sim-tokens-per-chunk, x-sim-output-tokens, x-sim-fault; or a directive anywhere
