@@ -24,6 +24,7 @@ from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.control.traffic import Ticket, TrafficControl
 from tokenpipe.dialects import CHAT, COMPLETIONS, Dialect
 from tokenpipe.dialects import openai_schema as schema
+from tokenpipe.dialects.chat_via_messages import ChatViaMessages
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
 from tokenpipe.relay.buffer import WriteNow
@@ -57,6 +58,8 @@ class Gateway:
         self.policy = Policy(settings.tail, router)
         self.context = ContextBudget(settings.context, self.policy, self.traffic.internal)
         self.draining = False
+        #: Some upstream speaks another API than OpenAI's: chat may be translated onto it.
+        self.translates = any(u.settings.api != "openai" for u in router.upstreams)
 
     async def start(self) -> None:
         await self.traffic.start()
@@ -64,6 +67,22 @@ class Gateway:
     async def close(self) -> None:
         await self.traffic.close()
         await self.router.close()
+
+    async def _dialect(self, kind: type[Any], model: str, obj: dict[str, Any]) -> Dialect:
+        """The request's API on its upstreams: native when an upstream of the client's API
+        serves the model, else a translation onto one that does (chat on an Anthropic
+        upstream). A request never falls over between APIs."""
+        native = DIALECTS[kind]
+        if native is not CHAT or not self.translates:
+            return native
+        try:
+            await self.router.candidates(model, native.api)
+            return native
+        except GatewayError as e:
+            if e.status != 404:
+                raise
+            await self.router.candidates(model, "anthropic")  # 404 when neither serves it
+            return ChatViaMessages(obj)
 
     def scope(self, headers: Mapping[str, str]) -> Scope:
         """The request's one deadline scope: `tail.total_seconds` or the client's
@@ -94,11 +113,10 @@ class Gateway:
         `dialect`: the API of the request's events and its upstreams (default: `kind`'s)."""
         if scope is None:
             scope = self.scope(headers)
-        if dialect is None:
-            dialect = DIALECTS[kind]
         # The key's quota first: an over-quota key costs nothing more (no token counting, no
-        # summary call). 429 when over.
-        admit = self.traffic.admit(key, obj, scope, output=dialect.output)
+        # summary call). 429 when over. (An embedding generates nothing: no output reserved.)
+        output = (dialect or DIALECTS[kind]).output
+        admit = self.traffic.admit(key, obj, scope, output=output)
         ticket = await _within(scope, admit, "admission")
         try:
             return await self._open(
@@ -119,7 +137,7 @@ class Gateway:
         started: float,
         headers: Mapping[str, str],
         pace: float | None,
-        dialect: Dialect,
+        dialect: Dialect | None,
     ) -> Call:
         scope = ticket.scope
         ctx = await _within(
@@ -128,6 +146,8 @@ class Gateway:
         changed = ctx.body is not None  # may shorten the request
         if changed:
             ticket.cost = self.traffic.cost(obj)  # the limiter charges what is sent
+        if dialect is None:
+            dialect = await self._dialect(kind, req.model, obj)
         strip_usage = False
         if req.stream:
             changed = dialect.strip_extensions(obj) or changed
@@ -138,7 +158,10 @@ class Gateway:
                     # behalf, and removed again from what the client gets.
                     dialect.ask_usage(obj)
                     changed = strip_usage = True
-        if changed:
+        translated = dialect.upstream_request(obj)  # another API's upstream: its request
+        if translated is not None:
+            body = orjson.dumps(translated)
+        elif changed:
             body = orjson.dumps(obj)
         request = Request(
             req.model,

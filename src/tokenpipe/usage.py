@@ -23,6 +23,12 @@ COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
 MAX_COUNT = 10_000_000
 
 
+def count(value: object) -> int:
+    """One count as the gateway reads it: the value if a plain int in 0..MAX_COUNT, else 0
+    (for arithmetic on an upstream's numbers before `clean` sees them, e.g. a translation)."""
+    return value if type(value) is int and 0 <= value <= MAX_COUNT else 0
+
+
 def clean(usage: object, upstream: str = "?") -> dict[str, Any] | None:
     """`usage` with every bad count dropped; None when it is not an object or holds no count."""
     if not isinstance(usage, Mapping) or not usage:

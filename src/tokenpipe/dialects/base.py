@@ -157,6 +157,12 @@ class Dialect:
         dialect must not keep state."""
         return self
 
+    def upstream_request(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """The request as the upstream's API writes it, when that differs from the client's
+        (a translating dialect); None: `request` goes as it is. Raises GatewayError 400
+        naming the field for what the upstream's API cannot express."""
+        return None
+
     # -- what the client gets besides the relayed events --------------------------------------
 
     def answer(self, body: bytes, obj: dict[str, Any]) -> bytes:
@@ -169,6 +175,11 @@ class Dialect:
         """The usage of a non-streamed answer, in OpenAI's shape (see Piece.usage)."""
         usage = obj.get("usage")
         return usage if isinstance(usage, dict) else None
+
+    def error_body(self, status: int, obj: Any) -> bytes | None:
+        """The client's body for an upstream error answer whose JSON is `obj` (None: not JSON,
+        or already in the client's shape: passed on as it is)."""
+        return None
 
     def error_event(self, error: GatewayError) -> bytes:
         """The SSE event for an error after the stream started (its last event)."""

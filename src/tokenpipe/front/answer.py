@@ -62,7 +62,10 @@ async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
             headers[name] = value
     if status < 400 or status > 599:
         status = 502
-    if not (isinstance(obj, dict) and isinstance(obj.get("error"), dict)):
+    translated = call.dialect.error_body(status, obj)
+    if translated is not None:
+        body = translated
+    elif not (isinstance(obj, dict) and isinstance(obj.get("error"), dict)):
         body = GatewayError(
             status, f"Upstream answered with status {uresp.status}.", code="upstream_error"
         ).json()

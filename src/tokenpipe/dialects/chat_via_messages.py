@@ -1,0 +1,246 @@
+"""An OpenAI chat client on an Anthropic Messages upstream: the request written as a Messages
+request, and the Messages stream (or body) written back as chat chunks (or a chat completion).
+
+What both APIs express is translated: system and developer messages, text and image parts,
+tools and `tool_choice`, assistant tool calls <-> `tool_use` blocks, tool results <->
+`tool_result` blocks, streamed tool-call arguments <-> `input_json_delta`, reasoning <->
+thinking deltas, stop reasons, usage (cache tokens included), errors and `max_tokens` (required
+by Anthropic: DEFAULT_MAX_TOKENS when the chat request has none). What cannot be expressed is a
+400 naming the field (`UNSUPPORTED`), never dropped.
+
+One instance per request (`ChatViaMessages(request)`): the stream's translation has state (the
+message id, which block is which tool call, whether usage was asked for).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from tokenpipe import sse
+from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.messages_request import messages_request
+from tokenpipe.dialects.openai import CHAT
+from tokenpipe.usage import count
+
+#: Anthropic's stop reasons as chat's finish reasons (any other: "stop").
+_STOP = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+
+
+def chat_usage(usage: Any) -> dict[str, Any] | None:
+    """Anthropic's usage in OpenAI's shape: prompt tokens include the cached ones (read and
+    written), as OpenAI counts them; `prompt_tokens_details.cached_tokens` the read ones."""
+    if not isinstance(usage, dict):
+        return None
+    read = count(usage.get("cache_read_input_tokens"))
+    written = count(usage.get("cache_creation_input_tokens"))
+    prompt = count(usage.get("input_tokens")) + read + written
+    completion = count(usage.get("output_tokens"))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": read},
+    }
+
+
+def finish_reason(stop: Any) -> str | None:
+    if not isinstance(stop, str):
+        return None
+    return _STOP.get(stop, "stop")
+
+
+class ChatViaMessages(Dialect):
+    """A chat request's dialect on an Anthropic upstream (see the module docstring)."""
+
+    name = "chat"
+    api = "anthropic"
+    path = "/messages"
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        opts = request.get("stream_options")
+        #: The client asked for the usage chunk (Anthropic always sends usage).
+        self.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        self.model = str(request.get("model") or "")
+        self.id = "chatcmpl-"
+        self.created = int(time.time())
+        self.usage: dict[str, Any] = {}
+        #: Anthropic content block index -> chat tool_calls index.
+        self.tools: dict[int, int] = {}
+
+    def upstream_request(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        return messages_request(request)
+
+    # -- the stream --------------------------------------------------------------------------
+
+    def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None) -> bytes:
+        choices = (
+            []
+            if delta is None
+            else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        )
+        obj = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        return sse.encode(orjson.dumps(obj))
+
+    def read(
+        self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
+    ) -> Piece | None:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
+        if not isinstance(obj, dict):
+            raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+        kind = obj.get("type") or event
+        if kind == "message_start":
+            msg = obj.get("message") or {}
+            self.id = "chatcmpl-" + str(msg.get("id") or "")
+            self.model = str(msg.get("model") or self.model)
+            self.usage.update(msg.get("usage") or {})
+            return Piece(self._chunk({"role": "assistant", "content": ""}))
+        if kind == "content_block_start":
+            block = obj.get("content_block") or {}
+            if block.get("type") == "tool_use":
+                n = self.tools[obj.get("index", 0)] = len(self.tools)
+                call = {
+                    "index": n,
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block.get("name"), "arguments": ""},
+                }
+                return Piece(self._chunk({"tool_calls": [call]}), [""])
+            return None
+        if kind == "content_block_delta":
+            return self._delta(obj)
+        if kind == "message_delta":
+            delta = obj.get("delta") or {}
+            self.usage.update(obj.get("usage") or {})
+            piece = Piece(self._chunk({}, finish_reason(delta.get("stop_reason"))))
+            piece.finish_reason = finish_reason(delta.get("stop_reason"))
+            piece.usage = chat_usage(self.usage)
+            return piece
+        if kind == "message_stop":
+            out = b""
+            usage = chat_usage(self.usage)
+            if self.include_usage and usage is not None:
+                obj = {
+                    "id": self.id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage,
+                }
+                out = sse.encode(orjson.dumps(obj))
+            piece = Piece(out + sse.DONE_EVENT)
+            piece.end = True
+            return piece
+        if kind == "error":
+            error = _openai_error(obj.get("error"), "upstream error")
+            piece = Piece(sse.encode(orjson.dumps({"error": error})))
+            piece.error = error
+            piece.end = True
+            return piece
+        return None  # ping, content_block_stop, and events chat has no counterpart for
+
+    def _delta(self, obj: dict[str, Any]) -> Piece | None:
+        delta = obj.get("delta") or {}
+        kind = delta.get("type")
+        if kind == "text_delta":
+            text = str(delta.get("text") or "")
+            if not text:
+                return None
+            piece = Piece(self._chunk({"content": text}), [text])
+            piece.may_merge, piece.kind, piece.dialect = True, "content", CHAT
+            return piece
+        if kind == "thinking_delta":
+            text = str(delta.get("thinking") or "")
+            return Piece(self._chunk({"reasoning_content": text}), [""]) if text else None
+        if kind == "input_json_delta":
+            n = self.tools.get(obj.get("index", 0))
+            if n is None:
+                return None
+            call = {"index": n, "function": {"arguments": str(delta.get("partial_json") or "")}}
+            return Piece(self._chunk({"tool_calls": [call]}), [""])
+        return None  # signature_delta, citations: nothing in chat's stream
+
+    # -- whole answers and errors --------------------------------------------------------------
+
+    def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        return chat_usage(obj.get("usage"))
+
+    def answer(self, body: bytes, obj: dict[str, Any]) -> bytes:
+        text: list[str] = []
+        calls: list[dict[str, Any]] = []
+        reasoning: list[str] = []
+        for block in obj.get("content") or ():
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                text.append(str(block.get("text") or ""))
+            elif kind == "tool_use":
+                calls.append(
+                    {
+                        "id": block.get("id"),
+                        "type": "function",
+                        "function": {
+                            "name": block.get("name"),
+                            "arguments": orjson.dumps(block.get("input") or {}).decode(),
+                        },
+                    }
+                )
+            elif kind == "thinking":
+                reasoning.append(str(block.get("thinking") or ""))
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+        if calls:
+            message["tool_calls"] = calls
+        if reasoning:
+            message["reasoning_content"] = "".join(reasoning)
+        out = {
+            "id": "chatcmpl-" + str(obj.get("id") or ""),
+            "object": "chat.completion",
+            "created": self.created,
+            "model": obj.get("model") or self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": finish_reason(obj.get("stop_reason")) or "stop",
+                }
+            ],
+            "usage": chat_usage(obj.get("usage")),
+        }
+        return orjson.dumps(out)
+
+    def error_body(self, status: int, obj: Any) -> bytes | None:
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if not isinstance(err, dict):
+            return None
+        error = _openai_error(err, f"Upstream answered with status {status}.")
+        return orjson.dumps({"error": error})
+
+
+def _openai_error(err: Any, default: str) -> dict[str, Any]:
+    """Anthropic's `{"type", "message"}` error as OpenAI's error object."""
+    err = err if isinstance(err, dict) else {}
+    kind = str(err.get("type") or "upstream_error")
+    return {
+        "message": str(err.get("message") or default),
+        "type": kind,
+        "param": None,
+        "code": kind,
+    }

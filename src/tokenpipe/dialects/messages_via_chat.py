@@ -1,0 +1,270 @@
+"""An Anthropic Messages client on an OpenAI chat upstream: the request written as a chat
+request (chat_request.py), and the chat stream (or completion) written back as Messages events
+(or a Message).
+
+The stream: the role chunk opens the message (`message_start`); content, reasoning and each
+tool call open a content block of their own (text, thinking, tool_use) closed when the next
+begins or the answer finishes; `[DONE]` ends it with `message_delta` (stop reason, usage) and
+`message_stop`. Text deltas of one block merge for a slow reader.
+
+One instance per request: the translation has state (the open block, the tool calls' blocks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from tokenpipe import sse
+from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.chat_request import chat_request
+from tokenpipe.errors import GatewayError
+from tokenpipe.usage import count
+
+#: chat's finish reasons as Anthropic's stop reasons.
+STOP_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "content_filter": "refusal",
+}
+#: The error `type` Anthropic's API gives for each status.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body for `status` (another 5xx: api_error)."""
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _event(kind: str, obj: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **obj}) + b"\n\n"
+
+
+def messages_usage(usage: Any) -> dict[str, int]:
+    """OpenAI's usage as Anthropic's: input tokens without the cached ones, which are apart."""
+    usage = usage if isinstance(usage, dict) else {}
+    prompt = count(usage.get("prompt_tokens"))
+    details = usage.get("prompt_tokens_details")
+    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    return {
+        "input_tokens": max(0, prompt - cached),
+        "output_tokens": count(usage.get("completion_tokens")),
+        "cache_read_input_tokens": cached,
+    }
+
+
+class MessagesViaChat(Dialect):
+    """A Messages request's dialect on an OpenAI chat upstream (see the module docstring)."""
+
+    name = "messages"
+    api = "openai"
+    path = "/chat/completions"
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        self.model = str(request.get("model") or "")
+        self.started = False
+        self.block: tuple[str, int] | None = None  # the open block: its kind and index
+        self.blocks = 0  # blocks opened so far
+        self.tools: dict[int, int] = {}  # chat tool_calls index -> block index
+        self.stop = "end_turn"
+        self.usage: dict[str, Any] | None = None
+
+    def upstream_request(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        return chat_request(request)
+
+    # -- the stream --------------------------------------------------------------------------
+
+    def _start(self, obj: dict[str, Any]) -> bytes:
+        if self.started:
+            return b""
+        self.started = True
+        message: dict[str, Any] = {
+            "id": "msg_" + str(obj.get("id") or ""),
+            "type": "message",
+            "role": "assistant",
+            "model": str(obj.get("model") or self.model),
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        return _event("message_start", {"message": message})
+
+    def _open(self, kind: str, block: dict[str, Any], key: int | None = None) -> bytes:
+        """Closes the open block (if another) and opens `block`; returns the events."""
+        if self.block is not None and self.block[0] == kind and key is None:
+            return b""
+        out = self._close()
+        index = self.blocks
+        self.blocks += 1
+        self.block = (kind, index)
+        if key is not None:
+            self.tools[key] = index
+        return out + _event("content_block_start", {"index": index, "content_block": block})
+
+    def _close(self) -> bytes:
+        if self.block is None:
+            return b""
+        index = self.block[1]
+        self.block = None
+        return _event("content_block_stop", {"index": index})
+
+    def read(
+        self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
+    ) -> Piece | None:
+        if data == sse.DONE:
+            out = self._start({}) + self._close()
+            usage = messages_usage(self.usage)
+            end = {"delta": {"stop_reason": self.stop, "stop_sequence": None}, "usage": usage}
+            piece = Piece(out + _event("message_delta", end) + _event("message_stop", {}))
+            piece.end = True
+            return piece
+        try:
+            obj = orjson.loads(data)
+        except (orjson.JSONDecodeError, RecursionError):
+            raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
+        if not isinstance(obj, dict):
+            raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+        if isinstance(obj.get("error"), dict):
+            err = obj["error"]
+            body = anthropic_error(502, str(err.get("message") or "upstream error"))
+            piece = Piece(_event("error", {"error": body["error"]}))
+            piece.error, piece.end = body["error"], True
+            return piece
+        out = self._start(obj)
+        piece = Piece(None)
+        choices = obj.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            choice = choices[0]
+            delta: dict[str, Any] = choice.get("delta") or {}
+            content = self._content(delta if isinstance(delta, dict) else {}, out)
+            if content is not None:
+                piece, out = content, b""
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str) and reason:
+                self.stop = STOP_REASONS.get(reason, "end_turn")
+                piece.finish_reason = reason
+        if isinstance(obj.get("usage"), dict) and obj["usage"]:
+            self.usage = piece.usage = obj["usage"]
+        if piece.raw is None:
+            if not out and not piece.usage and not piece.finish_reason:
+                return None
+            piece.raw = out
+            piece.size += len(out)
+        return piece
+
+    def _content(self, delta: dict[str, Any], head: bytes) -> Piece | None:
+        """The events of one chat delta (after `head`), as one piece; None: no content."""
+        out = head
+        count = 0
+        text = ""
+        lone = False  # one text delta with no other event: it may merge with its neighbours
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out += self._delta({"type": "thinking_delta", "thinking": reasoning})
+            count += 1
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            opened = self._open("text", {"type": "text", "text": ""})
+            lone = not (out or opened)
+            out += opened + self._delta({"type": "text_delta", "text": content})
+            count += 1
+            text = content
+        for call in delta.get("tool_calls") or ():
+            if not isinstance(call, dict):
+                continue
+            key = call.get("index", 0)
+            fn: dict[str, Any] = call.get("function") or {}
+            if not isinstance(fn, dict):
+                fn = {}
+            if key not in self.tools:
+                block: dict[str, Any] = {
+                    "type": "tool_use",
+                    "id": call.get("id"),
+                    "name": fn.get("name"),
+                    "input": {},
+                }
+                out += self._open("tool_use", block, key)
+            args = fn.get("arguments")
+            if isinstance(args, str) and args:
+                partial = {"type": "input_json_delta", "partial_json": args}
+                out += _event("content_block_delta", {"index": self.tools[key], "delta": partial})
+            count += 1
+            lone = False
+        if not count:
+            return None
+        piece = Piece(out, [text] + [""] * (count - 1))
+        if lone:
+            assert self.block is not None
+            piece.may_merge, piece.kind, piece.dialect = True, f"text:{self.block[1]}", self
+        return piece
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        assert self.block is not None
+        return _event("content_block_delta", {"index": self.block[1], "delta": delta})
+
+    def template(self, raw: bytes) -> tuple[Any, str] | None:
+        obj = orjson.loads(raw[raw.index(b"\ndata: ") + 7 : -2])
+        return obj, f"text:{obj['index']}"
+
+    def render(self, template: Any, kind: str, text: str) -> bytes:
+        return _event(
+            "content_block_delta",
+            {"index": template["index"], "delta": {"type": "text_delta", "text": text}},
+        )
+
+    # -- whole answers and errors --------------------------------------------------------------
+
+    def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        usage = obj.get("usage")
+        return usage if isinstance(usage, dict) else None
+
+    def answer(self, body: bytes, obj: dict[str, Any]) -> bytes:
+        choices = obj.get("choices") or [{}]
+        choice = choices[0] if isinstance(choices[0], dict) else {}
+        message = choice.get("message") or {}
+        content: list[dict[str, Any]] = []
+        if message.get("content"):
+            content.append({"type": "text", "text": str(message["content"])})
+        for call in message.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            try:
+                args = orjson.loads(fn.get("arguments") or "{}")
+            except orjson.JSONDecodeError:
+                args = {}
+            content.append(
+                {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": args}
+            )
+        out = {
+            "id": "msg_" + str(obj.get("id") or ""),
+            "type": "message",
+            "role": "assistant",
+            "model": obj.get("model") or self.model,
+            "content": content,
+            "stop_reason": STOP_REASONS.get(str(choice.get("finish_reason")), "end_turn"),
+            "stop_sequence": None,
+            "usage": messages_usage(obj.get("usage")),
+        }
+        return orjson.dumps(out)
+
+    def error_body(self, status: int, obj: Any) -> bytes | None:
+        err = obj.get("error") if isinstance(obj, dict) else None
+        message = err.get("message") if isinstance(err, dict) else None
+        return orjson.dumps(anthropic_error(status, str(message or f"Upstream answered {status}.")))
+
+    def error_event(self, error: GatewayError) -> bytes:
+        return _event("error", {"error": anthropic_error(error.status, error.message)["error"]})

@@ -1,0 +1,225 @@
+"""An Anthropic Messages client on an OpenAI chat upstream, in-process: the request translated
+(and refused, naming the field, where chat cannot express it), a chat stream read into
+Messages events that the anthropic SDK's own types accept, merging for a slow reader, a whole
+answer and errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+import pytest
+from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
+from pydantic import TypeAdapter
+
+from tokenpipe import sse
+from tokenpipe.dialects.chat_request import chat_request
+from tokenpipe.dialects.messages_via_chat import MessagesViaChat
+from tokenpipe.errors import GatewayError
+from tokenpipe.relay.buffer import Accumulator
+from tokenpipe.relay.events import EventParser
+from tokenpipe.relay.tally import StreamTally
+
+EVENTS: TypeAdapter[Any] = TypeAdapter(RawMessageStreamEvent)
+
+
+def _chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    obj = {"id": "c1", "object": "chat.completion.chunk", "model": "gpt-x", "choices": choices}
+    return sse.encode(orjson.dumps({**obj, **extra}))
+
+
+STREAM = [
+    _chunk({"role": "assistant", "content": ""}),
+    *(_chunk({"content": f" w{i}"}) for i in range(6)),
+    _chunk(
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": ""},
+                }
+            ]
+        }
+    ),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city"'}}]}),
+    _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]}),
+    _chunk({}, "tool_calls"),
+    _chunk(
+        None,
+        usage={
+            "prompt_tokens": 20,
+            "completion_tokens": 9,
+            "prompt_tokens_details": {"cached_tokens": 8},
+        },
+    ),
+    sse.DONE_EVENT,
+]
+REQUEST = {
+    "model": "gpt-x",
+    "max_tokens": 100,
+    "stream": True,
+    "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+    "messages": [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "get_weather",
+                    "input": {"city": "Oslo"},
+                }
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                {"type": "text", "text": "And tomorrow?"},
+            ],
+        },
+    ],
+    "tools": [{"name": "get_weather", "description": "d", "input_schema": {"type": "object"}}],
+    "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+    "stop_sequences": ["END"],
+}
+
+
+def _events(pieces: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for p in pieces:
+        for block in p.event().split(b"\n\n"):
+            if block:
+                data = block.split(b"\ndata: ", 1)[1]
+                out.append(EVENTS.validate_json(data).model_dump())
+    return out
+
+
+def _read(reads: list[bytes]) -> tuple[list[Any], StreamTally]:
+    tally = StreamTally("u", "m", time.perf_counter())
+    parser = EventParser(tally, False, MessagesViaChat(REQUEST))
+    pieces = []
+    for r in reads:
+        pieces += parser.feed(r)
+    assert parser.at_end()
+    return pieces, tally
+
+
+def test_the_request_is_written_as_a_chat_request() -> None:
+    out = chat_request(REQUEST)
+    assert out["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]},
+    ]
+    assert out["tool_choice"] == "required" and out["parallel_tool_calls"] is False
+    assert out["stream_options"] == {"include_usage": True}
+    assert out["stop"] == ["END"] and out["max_tokens"] == 100
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_k", 5), ("thinking", {"type": "enabled", "budget_tokens": 1024})],
+)
+def test_what_chat_cannot_express_is_a_400_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(GatewayError) as e:
+        chat_request({**REQUEST, field: value})
+    assert e.value.status == 400 and e.value.param == field
+
+
+@pytest.mark.parametrize("split", [1, 9, 10_000])
+def test_the_stream_becomes_messages_events_the_sdk_accepts(split: int) -> None:
+    body = b"".join(STREAM)
+    pieces, tally = _read([body[i : i + split] for i in range(0, len(body), split)])
+    events = _events(pieces)
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    text = "".join(
+        e["delta"]["text"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
+    )
+    assert text == "".join(f" w{i}" for i in range(6))
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [b["type"] for b in starts] == ["text", "tool_use"]
+    assert starts[1]["id"] == "call_1" and starts[1]["name"] == "get_weather"
+    args = "".join(
+        e["delta"]["partial_json"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"
+    )
+    assert orjson.loads(args) == {"city": "Oslo"}
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 2
+    end = events[-2]
+    assert end["delta"]["stop_reason"] == "tool_use"
+    assert end["usage"]["output_tokens"] == 9 and end["usage"]["input_tokens"] == 12
+    assert tally.usage is not None and tally.usage["completion_tokens"] == 9 and tally.done
+
+
+def test_a_slow_reader_gets_the_text_deltas_merged_with_the_same_text() -> None:
+    pieces, _ = _read([b"".join(STREAM)])
+    acc = Accumulator()
+    for p in pieces:
+        acc.put(p)
+    out, _ = acc.take(1 << 30)
+    events = _events(out)
+    texts = [
+        e["delta"]["text"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
+    ]
+    assert "".join(texts) == "".join(f" w{i}" for i in range(6))
+    assert " w1 w2 w3 w4 w5" in texts  # the first opens the block; the rest is one event
+
+
+def test_a_whole_chat_completion_becomes_a_message_and_errors_take_anthropics_shape() -> None:
+    completion = {
+        "id": "c2",
+        "object": "chat.completion",
+        "model": "gpt-x",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "message": {
+                    "role": "assistant",
+                    "content": "It is ",
+                    "tool_calls": [
+                        {
+                            "id": "call_2",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": '{"a": 1}'},
+                        }
+                    ],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+    }
+    dialect = MessagesViaChat({**REQUEST, "stream": False})
+    message = Message.model_validate_json(dialect.answer(orjson.dumps(completion), completion))
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 4
+    assert [b.type for b in message.content] == ["text", "tool_use"]
+    err = orjson.loads(dialect.error_body(429, {"error": {"message": "slow down"}}) or b"")
+    assert err == {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
+    event = dialect.error_event(GatewayError(504, "too slow"))
+    assert event.startswith(b"event: error\n")
+    shape = ErrorResponse.model_validate_json(event.split(b"\ndata: ", 1)[1])
+    assert shape.error.type == "timeout_error" and shape.error.message == "too slow"
