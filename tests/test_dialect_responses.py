@@ -278,3 +278,17 @@ def test_embeddings_cost_their_input_only_and_responses_their_input_and_output()
     assert (resp.tokens, resp.output_param) == (12, "max_output_tokens")
     items = cost.of_request({"model": "m", "input": [{"role": "user", "content": "a b"}]}, 256)
     assert items.tokens == 2 + cost.PER_MESSAGE + 256 and items.output_param == "input"
+
+
+def test_hostile_usage_values_count_as_nothing() -> None:
+    d = ResponsesViaChat(REQUEST)
+    usage = {"prompt_tokens": "7", "completion_tokens": -1, "prompt_tokens_details": [1]}
+    chunks = [
+        _chunk({"content": "x"}),
+        _chunk({}, "stop"),
+        orjson.dumps({"choices": [], "usage": usage}),
+        b"[DONE]",
+    ]
+    events = parse(_bytes(_read(d, chunks)))
+    check_events(events)
+    assert events[-1]["response"]["usage"]["input_tokens"] == 0

@@ -5,7 +5,10 @@ request (`Dialect`, in `base.py`): read this SSE event into a `Piece` (is it con
 text for merging; usage; a finish; an error; the end of the stream), merge neighbouring
 content pieces and write the merged event, say whether a cut stream can continue and build
 the continuation request. OpenAI chat and OpenAI completions (`openai.py`) are the first two;
-a new API is new files here, not edits to `relay/` or `router/`.
+a new API is new files here, not edits to `relay/` or `router/`: the Responses API natively
+(`responses.py`) and over chat (`responses_request.py`, `responses_chat.py`), embeddings
+(`embeddings.py`). A dialect that keeps per-stream state reads the relayed stream with a
+per-request object of its own (`Dialect.events`).
 
 Layer: below relay and router. May import only `sse`, `settings`, `errors` and `usage`.
 """

@@ -30,6 +30,7 @@ from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.openai import CHAT, ChatDialect
 from tokenpipe.dialects.responses import encode_event, error_payload, render_text_delta
 from tokenpipe.errors import GatewayError
+from tokenpipe.usage import count
 
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -38,17 +39,25 @@ def responses_usage(usage: Any) -> dict[str, Any] | None:
     """A chat `usage` in the Responses shape."""
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens") or 0
-    completion = usage.get("completion_tokens") or 0
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    prompt = count(usage.get("prompt_tokens"))  # an upstream's numbers: any JSON at all
+    completion = count(usage.get("completion_tokens"))
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": _detail(usage, "prompt_tokens_details", "cached_tokens"),
+            "cache_write_tokens": 0,  # chat does not say
+        },
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": reasoning},
-        "total_tokens": usage.get("total_tokens") or prompt + completion,
+        "output_tokens_details": {
+            "reasoning_tokens": _detail(usage, "completion_tokens_details", "reasoning_tokens")
+        },
+        "total_tokens": count(usage.get("total_tokens")) or prompt + completion,
     }
+
+
+def _detail(usage: dict[str, Any], group: str, name: str) -> int:
+    details = usage.get(group)
+    return count(details.get(name)) if isinstance(details, dict) else 0
 
 
 class _Item:
