@@ -8,13 +8,16 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.responses_events import check_events, check_response, parse, text_of
 from tokenpipe.control import cost
 from tokenpipe.dialects import Piece
+from tokenpipe.dialects.openai_schema import parse as parse_request
 from tokenpipe.dialects.responses import ResponsesDialect
 from tokenpipe.dialects.responses_chat import ResponsesViaChat
-from tokenpipe.dialects.responses_request import to_chat
+from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
 from tokenpipe.errors import GatewayError
 
 REQUEST = {"model": "m", "input": "hi", "instructions": "be brief"}
@@ -292,3 +295,79 @@ def test_hostile_usage_values_count_as_nothing() -> None:
     events = parse(_bytes(_read(d, chunks)))
     check_events(events)
     assert events[-1]["response"]["usage"]["input_tokens"] == 0
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+_FIELDS = st.sampled_from(
+    ["input", "tools", "tool_choice", "text", "reasoning", "stream_options", "truncation",
+     "store", "include", "metadata", "parallel_tool_calls", "instructions", "user"]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.dictionaries(_FIELDS, _json, max_size=4))
+def test_any_json_in_any_field_is_translated_or_a_400(fields: dict[str, Any]) -> None:
+    """Never a crash (a 500): whatever a client puts in a field, the translation carries it,
+    or refuses it by name; and the Response it would answer with is still valid."""
+    obj = {"model": "m", "input": "hi", **fields}
+    try:
+        parse_request(orjson.dumps(obj), ResponsesRequest)  # what the front checks first
+        to_chat(obj)
+    except GatewayError as e:
+        assert e.status == 400 and e.param
+        return
+    d = ResponsesViaChat(obj)
+    body = {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]}
+    orjson.loads(d.answer(b"", body))
+
+
+_delta = st.fixed_dictionaries(
+    {},
+    optional={
+        "content": _json,
+        "reasoning_content": _json,
+        "tool_calls": st.lists(
+            st.fixed_dictionaries({}, optional={"index": _json, "id": _json, "function": _json}),
+            max_size=2,
+        )
+        | _json,
+    },
+)
+_chat_chunk = st.fixed_dictionaries(
+    {},
+    optional={
+        "choices": st.lists(
+            st.fixed_dictionaries({}, optional={"delta": _delta | _json, "finish_reason": _json}),
+            max_size=2,
+        )
+        | _json,
+        "usage": _json,
+        "error": _json,
+        "model": _json,
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks=st.lists(_chat_chunk, max_size=6))
+def test_any_chat_stream_translates_without_a_crash(chunks: list[dict[str, Any]]) -> None:
+    """A hostile upstream's chunks: pieces (or one protocol error), never another exception;
+    what the client gets still parses as Responses events."""
+    d = ResponsesViaChat(REQUEST)
+    reader = d.events()
+    out = []
+    for c in [*chunks, "[DONE]"]:
+        data = b"[DONE]" if c == "[DONE]" else orjson.dumps(c)
+        piece = reader.read(data, None, None, False)
+        if piece is not None and not piece.hidden:
+            out.append(piece.event())
+        if piece is not None and piece.end:
+            break
+    for event in parse(b"".join(out)):
+        assert isinstance(event["sequence_number"], int)

@@ -29,76 +29,14 @@ from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.openai import CHAT, ChatDialect
 from tokenpipe.dialects.responses import encode_event, error_payload, render_text_delta
+from tokenpipe.dialects.responses_output import (
+    INCOMPLETE,
+    OutputItem,
+    output_of,
+    response_object,
+    responses_usage,
+)
 from tokenpipe.errors import GatewayError
-from tokenpipe.usage import count
-
-_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
-
-
-def responses_usage(usage: Any) -> dict[str, Any] | None:
-    """A chat `usage` in the Responses shape."""
-    if not isinstance(usage, dict):
-        return None
-    prompt = count(usage.get("prompt_tokens"))  # an upstream's numbers: any JSON at all
-    completion = count(usage.get("completion_tokens"))
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {
-            "cached_tokens": _detail(usage, "prompt_tokens_details", "cached_tokens"),
-            "cache_write_tokens": 0,  # chat does not say
-        },
-        "output_tokens": completion,
-        "output_tokens_details": {
-            "reasoning_tokens": _detail(usage, "completion_tokens_details", "reasoning_tokens")
-        },
-        "total_tokens": count(usage.get("total_tokens")) or prompt + completion,
-    }
-
-
-def _detail(usage: dict[str, Any], group: str, name: str) -> int:
-    details = usage.get(group)
-    return count(details.get(name)) if isinstance(details, dict) else 0
-
-
-class _Item:
-    """One output item: a message, a function call or reasoning."""
-
-    __slots__ = ("call_id", "id", "index", "kind", "name", "text")
-
-    def __init__(self, kind: str, index: int, item_id: str) -> None:
-        self.kind = kind  # message | function_call | reasoning
-        self.index = index
-        self.id = item_id
-        self.text = ""  # the text, arguments or reasoning so far
-        self.call_id = ""
-        self.name = ""
-
-    def part(self) -> dict[str, Any]:
-        if self.kind == "reasoning":
-            return {"type": "reasoning_text", "text": self.text}
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
-
-    def item(self, status: str) -> dict[str, Any]:
-        if self.kind == "function_call":
-            return {
-                "id": self.id,
-                "type": "function_call",
-                "status": status,
-                "call_id": self.call_id,
-                "name": self.name,
-                "arguments": self.text,
-            }
-        if self.kind == "reasoning":
-            content = [self.part()] if status != "in_progress" else []
-            return {"id": self.id, "type": "reasoning", "summary": [], "content": content}
-        content = [self.part()] if status != "in_progress" else []
-        return {
-            "id": self.id,
-            "type": "message",
-            "status": status,
-            "role": "assistant",
-            "content": content,
-        }
 
 
 class ResponsesViaChat(ChatDialect):
@@ -128,79 +66,17 @@ class ResponsesViaChat(ChatDialect):
         finish: str | None = None,
     ) -> dict[str, Any]:
         """The Response object in the state `status`."""
-        req = self.request
-        reason = _INCOMPLETE.get(finish or "")
-        obj: dict[str, Any] = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "completed_at": int(time.time()) if status == "completed" else None,
-            "error": None,
-            "incomplete_details": {"reason": reason} if status == "incomplete" else None,
-            "instructions": req.get("instructions"),
-            "max_output_tokens": req.get("max_output_tokens"),
-            "model": model or req.get("model"),
-            "output": output,
-            "parallel_tool_calls": req.get("parallel_tool_calls", True),
-            "previous_response_id": None,
-            "reasoning": {
-                "effort": (req.get("reasoning") or {}).get("effort"),
-                "summary": None,
-            },
-            "store": False,
-            "temperature": req.get("temperature"),
-            "text": req.get("text") or {"format": {"type": "text"}},
-            "tool_choice": req.get("tool_choice", "auto"),
-            "tools": [_echo_tool(t) for t in req.get("tools") or ()],
-            "top_p": req.get("top_p"),
-            "truncation": req.get("truncation") or "disabled",
-            "metadata": req.get("metadata") or {},
-        }
-        if req.get("user") is not None:  # (the spec has no null user)
-            obj["user"] = req["user"]
-        if usage is not None:
-            obj["usage"] = usage
-        return obj
+        return response_object(
+            self.request, self.id, self.created, status, output, usage, model, finish
+        )
 
     def answer(self, body: bytes, obj: dict[str, Any]) -> bytes:
-        """A chat completion as a Response: reasoning, the message, then its tool calls."""
-        choices = obj.get("choices")
-        choice = choices[0] if isinstance(choices, list) and choices else {}
-        message = choice.get("message") if isinstance(choice, dict) else None
-        message = message if isinstance(message, dict) else {}
-        finish = choice.get("finish_reason") if isinstance(choice, dict) else None
-        status = "incomplete" if finish in _INCOMPLETE else "completed"
-        items: list[_Item] = []
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-        if isinstance(reasoning, str) and reasoning:
-            items.append(_Item("reasoning", len(items), "rs_" + uuid.uuid4().hex))
-            items[-1].text = reasoning
-        calls = message.get("tool_calls")
-        calls = calls if isinstance(calls, list) else []
-        text = message.get("content")
-        if (isinstance(text, str) and text) or not calls:
-            items.append(_Item("message", len(items), "msg_" + uuid.uuid4().hex))
-            items[-1].text = text if isinstance(text, str) else ""
-        for call in calls:
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict):
-                continue
-            item = _Item("function_call", len(items), "fc_" + uuid.uuid4().hex)
-            item.call_id = str(call.get("id") or "call_" + uuid.uuid4().hex)
-            item.name = str(function.get("name") or "")
-            item.text = str(function.get("arguments") or "")
-            items.append(item)
+        """A chat completion as a Response."""
+        output, status, finish = output_of(obj)
         model = obj.get("model")
-        return orjson.dumps(
-            self.response(
-                status,
-                [i.item(status) for i in items],
-                responses_usage(obj.get("usage")),
-                model if isinstance(model, str) else None,
-                finish,
-            )
-        )
+        usage = responses_usage(obj.get("usage"))
+        model = model if isinstance(model, str) else None
+        return orjson.dumps(self.response(status, output, usage, model, finish))
 
     def error_event(self, error: GatewayError) -> bytes:
         out: list[bytes] = []
@@ -217,10 +93,10 @@ class _Translation(Dialect):
     def __init__(self, owner: ResponsesViaChat) -> None:
         self.owner = owner
         self.seq = 0  # the next event's sequence_number
-        self.items: list[_Item] = []
-        self.message: _Item | None = None
-        self.reasoning: _Item | None = None
-        self.calls: dict[Any, _Item] = {}  # chat tool call index -> its item
+        self.items: list[OutputItem] = []
+        self.message: OutputItem | None = None
+        self.reasoning: OutputItem | None = None
+        self.calls: dict[int, OutputItem] = {}  # chat tool call index -> its item
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
         self.model: str | None = None
@@ -306,8 +182,8 @@ class _Translation(Dialect):
     def render(self, template: Any, kind: str, text: str) -> bytes:
         return render_text_delta(template, text)
 
-    def _open(self, out: list[bytes], kind: str, prefix: str) -> _Item:
-        item = _Item(kind, len(self.items), prefix + uuid.uuid4().hex)
+    def _open(self, out: list[bytes], kind: str, prefix: str) -> OutputItem:
+        item = OutputItem(kind, len(self.items), prefix + uuid.uuid4().hex)
         self.items.append(item)
         added = {"type": "response.output_item.added", "output_index": item.index}
         self.add(out, {**added, "item": item.item("in_progress")})
@@ -316,7 +192,7 @@ class _Translation(Dialect):
             self.add(out, {**part, "part": item.part()})
         return item
 
-    def _where(self, item: _Item) -> dict[str, Any]:
+    def _where(self, item: OutputItem) -> dict[str, Any]:
         return {"item_id": item.id, "output_index": item.index, "content_index": 0}
 
     def _text(self, out: list[bytes], text: str) -> dict[str, Any]:
@@ -343,10 +219,11 @@ class _Translation(Dialect):
     def _call(self, out: list[bytes], call: dict[str, Any], n: int) -> None:
         function = call.get("function")
         function = function if isinstance(function, dict) else {}
-        key = call.get("index", n)
+        key = call.get("index")
+        key = key if type(key) is int else n  # (an upstream's value: any JSON)
         item = self.calls.get(key)
         if item is None:
-            item = _Item("function_call", len(self.items), "fc_" + uuid.uuid4().hex)
+            item = OutputItem("function_call", len(self.items), "fc_" + uuid.uuid4().hex)
             item.call_id = str(call.get("id") or "call_" + uuid.uuid4().hex)
             item.name = str(function.get("name") or "")
             self.items.append(item)
@@ -367,7 +244,7 @@ class _Translation(Dialect):
             )
 
     def _status(self) -> str:
-        return "incomplete" if self.finish in _INCOMPLETE else "completed"
+        return "incomplete" if self.finish in INCOMPLETE else "completed"
 
     def _close(self, out: list[bytes]) -> None:
         """Each open item's done events, in the order they were opened."""

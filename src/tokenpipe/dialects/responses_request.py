@@ -109,6 +109,8 @@ def to_chat(obj: dict[str, Any]) -> dict[str, Any]:
             raise _refuse(key, "is not supported")
     if obj.get("store"):
         raise _refuse("store", "is not supported (the gateway stores no responses)")
+    if obj.get("truncation") not in (None, "auto", "disabled"):
+        raise GatewayError(400, "'truncation' must be 'auto' or 'disabled'.", param="truncation")
     chat: dict[str, Any] = {k: obj[k] for k in _SAME if obj.get(k) is not None}
     messages: list[dict[str, Any]] = []
     if obj.get("instructions"):
@@ -127,6 +129,8 @@ def to_chat(obj: dict[str, Any]) -> dict[str, Any]:
     if obj.get("max_output_tokens") is not None:
         chat["max_tokens"] = obj["max_output_tokens"]
     if obj.get("tools"):
+        if not isinstance(obj["tools"], list):
+            raise GatewayError(400, "'tools' must be a list.", param="tools")
         chat["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(obj["tools"])]
     if obj.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(obj["tool_choice"])
@@ -145,7 +149,8 @@ def _item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         raise GatewayError(400, f"'{where}' must be an object.", param=where)
     kind = item.get("type", "message")
     if kind == "message":
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        role = item.get("role")
+        role = _ROLES.get(role) if isinstance(role, str) else None
         if role is None:
             raise _refuse(f"{where}.role", f"= {item.get('role')!r} is not a chat role")
         messages.append({"role": role, "content": _content(item.get("content"), where)})
