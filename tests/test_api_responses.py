@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -320,6 +321,29 @@ async def test_a_cut_stream_ends_with_the_responses_error_event(
     assert events[-1]["type"] == "error"
     assert "The answer is incomplete" in events[-1]["message"]
     assert len(text_of(events).split()) == 3
+
+
+@pytest.mark.parametrize("name", ["native", "chat"])
+async def test_a_stream_cut_by_shutdown_ends_with_the_responses_error_event(
+    sim: procs.Service, tmp_path: Path, name: str
+) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        "server: {drain_seconds: 0.5}\n"
+        f"upstreams:\n  - {{name: sim, url: '{sim.url}/v1', responses: {name}}}\n"
+    )
+    body = {"model": "sim-model", "stream": True, "input": "[[sim itl_ms=50 output_tokens=400]] go"}
+    with procs.gateway("--config", str(cfg)) as g:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(g.url + "/v1/responses", json=body) as r,
+        ):
+            head = await r.content.readuntil(b"response.output_text.delta")
+            g.signal(signal.SIGTERM)
+            rest = await r.content.read()
+    events = parse(head + rest)
+    check_events(events)
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "shutdown"
 
 
 @pytest.mark.parametrize(
