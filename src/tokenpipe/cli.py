@@ -285,6 +285,9 @@ def sim(
 ) -> None:
     """Run a simulated OpenAI-compatible upstream with exact, seeded timing and faults.
 
+    Serves /v1/chat/completions, /v1/completions, /v1/responses (Responses API events and
+    bodies, natively) and /v1/embeddings (deterministic vectors seeded from the input).
+
     \b
     It speaks Anthropic's Messages API too (POST /v1/messages, /v1/messages/count_tokens;
     as an upstream: --upstream anthropic+URL), with the same timing and faults.

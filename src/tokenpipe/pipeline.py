@@ -123,8 +123,10 @@ class Gateway:
         if scope is None:
             scope = self.scope(headers)
         # The key's quota first: an over-quota key costs nothing more (no token counting, no
-        # summary call). 429 when over.
-        ticket = await _within(scope, self.traffic.admit(key, obj, scope), "admission")
+        # summary call). 429 when over. (An embedding generates nothing: no output reserved.)
+        output = (dialect or DIALECTS[kind]).output
+        admit = self.traffic.admit(key, obj, scope, output=output)
+        ticket = await _within(scope, admit, "admission")
         try:
             return await self._open(
                 kind, req, obj, body, ticket, request_id, started, headers, pace, dialect

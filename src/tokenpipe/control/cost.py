@@ -1,6 +1,7 @@
 """What a request costs in tokens, the way providers count it for their token buckets.
 
-Before sending: prompt tokens (estimated) + max_tokens (or a default when absent). After:
+Before sending: prompt tokens (estimated) + max_tokens (or a default when absent; nothing for
+an embedding, which generates no tokens). After:
 the upstream's `usage.prompt_tokens` replaces the estimate and, when the request set no
 max_tokens, `usage.completion_tokens` stands in for the output part.
 
@@ -104,11 +105,41 @@ class Cost:
         return None if found is None else self._capped(found[0] + found[1])
 
 
-def of_request(obj: dict[str, Any], default_output: int = 256, cap: int | None = None) -> Cost:
-    """Cost of a chat or text completion request body (already validated). Raises a 400
-    GatewayError for a max_tokens no model could run (above MAX_OUTPUT_TOKENS)."""
+def _input(value: Any) -> int:
+    """Prompt tokens of an `input` (Responses API, embeddings): a string, strings, token ids,
+    lists of token ids, or Responses items (messages with content, function call outputs)."""
+    if isinstance(value, str):
+        return estimate_text(value)
+    if not isinstance(value, list):
+        return 0
+    total = 0
+    for x in value:
+        if isinstance(x, str):
+            total += estimate_text(x)
+        elif isinstance(x, list):  # token ids
+            total += len(x)
+        elif isinstance(x, dict):
+            text = _content(x.get("content")) or _content(x.get("output"))
+            text = text or str(x.get("arguments") or "")
+            total += estimate_text(text) + PER_MESSAGE
+        else:  # one token id
+            total += 1
+    return total
+
+
+def of_request(
+    obj: dict[str, Any], default_output: int = 256, cap: int | None = None, output: bool = True
+) -> Cost:
+    """Cost of a chat or text completion, Responses or embeddings request body (already
+    validated). `output`: the request generates tokens (an embedding does not: no output
+    part). Raises a 400 GatewayError for a max_tokens no model could run (above
+    MAX_OUTPUT_TOKENS)."""
     n = obj.get("n") or 1
+    if not output:
+        return Cost(_input(obj.get("input")), 0, 0, cap, "input")
     param = "max_completion_tokens" if obj.get("max_completion_tokens") else "max_tokens"
+    if "max_output_tokens" in obj and "messages" not in obj:  # the Responses API
+        param = "max_output_tokens"
     maximum = obj.get(param)
     numeric = isinstance(maximum, int | float) and not isinstance(maximum, bool)
     if (
@@ -145,9 +176,13 @@ def of_request(obj: dict[str, Any], default_output: int = 256, cap: int | None =
                 estimate_text(x) if isinstance(x, str) else len(x) if isinstance(x, list) else 1
                 for x in p
             )
+        elif "input" in obj:
+            prompt = _input(obj["input"]) + estimate_text(str(obj.get("instructions") or ""))
         else:
             prompt = 0
-    if max_output is None and not isinstance(messages, list):
+    if max_output is None and "input" in obj:
+        param = "input"
+    elif max_output is None and not isinstance(messages, list):
         param = "prompt"
     elif max_output is None:
         param = "messages"

@@ -89,18 +89,22 @@ class TrafficControl:
         if unknown:
             log.warning("limits.upstreams names no configured upstream: %s", ", ".join(unknown))
 
-    def cost(self, request: dict[str, Any]) -> cost_mod.Cost:
+    def cost(self, request: dict[str, Any], output: bool = True) -> cost_mod.Cost:
         """The request's cost, capped at its model's published window, else at
         `limits.max_request_tokens` (a window learned from the upstream has already lowered
-        max_tokens in the context hop). 400 for a max_tokens no model could run."""
+        max_tokens in the context hop). 400 for a max_tokens no model could run. `output`:
+        the request generates tokens (an embedding request does not: none are reserved)."""
         model = request.get("model")
         window = known_window(model) if isinstance(model, str) else None
         cap = window or self.settings.max_request_tokens
-        return cost_mod.of_request(request, self.settings.default_output_tokens, cap)
+        default = self.settings.default_output_tokens if output else 0
+        return cost_mod.of_request(request, default, cap, output=output)
 
-    async def admit(self, key: str, request: dict[str, Any], scope: Scope = UNBOUNDED) -> Ticket:
+    async def admit(
+        self, key: str, request: dict[str, Any], scope: Scope = UNBOUNDED, output: bool = True
+    ) -> Ticket:
         """Per-key quota check (429 when over), then a ticket for the upstream limiters."""
-        c = self.cost(request)
+        c = self.cost(request, output)
         grant = await self.admission.admit(key, c.tokens, c.output_param)
         return Ticket(self, key, c, grant, scope)
 

@@ -2,8 +2,9 @@
 
 A `Piece` is one upstream event as the relay handles it (or several neighbouring content
 deltas merged); a `Dialect` reads events into pieces and answers the questions the relay and
-the router ask of an API. Both are plain classes: a dialect is one shared object per API,
-stateless, so one instance serves every request.
+the router ask of an API. Both are plain classes: a dialect is usually one shared object per
+API, stateless, so one instance serves every request; one that translates or numbers events
+is made per request (`events`).
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class Dialect:
     name = ""
     api = "openai"
     path = ""
+    #: It generates tokens (an embedding does not: admission reserves no output for it).
+    output = True
 
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
@@ -180,10 +183,12 @@ class Dialect:
         return sse.encode(self.error_body(error))
 
     def for_stream(self) -> Dialect:
-        """The dialect one stream's events are read with: `self` for an API whose events
-        each say all they mean; an API that spreads one fact over several events (Anthropic's
-        usage: input tokens first, output tokens at the end) gives each stream a small
-        reader of its own that joins them (the shared dialect stays stateless)."""
+        """The dialect the relayed stream is read with: `self` for an API whose events each
+        say all they mean; a dialect with per-stream state (Anthropic's usage spread over
+        `message_start` and `message_delta`; a translation's open blocks and numbering) gives
+        each stream a reader of its own. The router also reads the first events of hedges and
+        retries with the request's own dialect (`read`, to find their first token) before the
+        relay takes them over: that dialect's state must not be the one the relay uses."""
         return self
 
     def template(self, raw: bytes) -> tuple[Any, str] | None:

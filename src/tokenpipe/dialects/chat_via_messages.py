@@ -66,6 +66,7 @@ class ChatViaMessages(Dialect):
     path = "/messages"
 
     def __init__(self, request: dict[str, Any]) -> None:
+        self.request = request
         opts = request.get("stream_options")
         #: The client asked for the usage chunk (Anthropic always sends usage).
         self.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
@@ -78,6 +79,10 @@ class ChatViaMessages(Dialect):
 
     def upstream_request(self, request: dict[str, Any]) -> dict[str, Any] | None:
         return messages_request(request)
+
+    def for_stream(self) -> Dialect:
+        """A fresh translation for the relayed stream (see Dialect.for_stream)."""
+        return ChatViaMessages(self.request)
 
     # -- the stream --------------------------------------------------------------------------
 

@@ -74,6 +74,7 @@ class MessagesViaChat(Dialect):
     path = "/chat/completions"
 
     def __init__(self, request: dict[str, Any]) -> None:
+        self.request = request
         self.model = str(request.get("model") or "")
         self.started = False
         self.block: tuple[str, int] | None = None  # the open block: its kind and index
@@ -84,6 +85,10 @@ class MessagesViaChat(Dialect):
 
     def upstream_request(self, request: dict[str, Any]) -> dict[str, Any] | None:
         return chat_request(request)
+
+    def for_stream(self) -> Dialect:
+        """A fresh translation for the relayed stream (see Dialect.for_stream)."""
+        return MessagesViaChat(self.request)
 
     # -- the stream --------------------------------------------------------------------------
 

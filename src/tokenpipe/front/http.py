@@ -30,6 +30,8 @@ from tokenpipe.front.edge import (
     read_body,
     request_id,
 )
+from tokenpipe.front.embeddings import embeddings
+from tokenpipe.front.responses import responses
 from tokenpipe.observe import logs, metrics
 from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Gateway
@@ -190,6 +192,8 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     messages.install(app)  # /v1/messages, /v1/messages/count_tokens (Anthropic's API)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/healthz", healthz)

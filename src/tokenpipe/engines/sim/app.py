@@ -17,11 +17,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tokenpipe.engines.sim import embeddings as sim_embeddings
 from tokenpipe.engines.sim import faults, messages, text
+from tokenpipe.engines.sim import responses as sim_responses
 from tokenpipe.engines.sim.config import SimConfig, Timing, request_timing
 from tokenpipe.engines.sim.limits import RateLimits, retry_headers
 from tokenpipe.engines.sim.records import Record
-from tokenpipe.engines.sim.stream import stream_completion
+from tokenpipe.engines.sim.stream import stream_completion, stream_events
 
 #: Largest request body the sim reads (bytes).
 MAX_BODY = 16 * 1024 * 1024
@@ -59,6 +61,9 @@ class Sim:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, "text")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "responses")
+
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await _read_body(request)
         if body is None:
@@ -70,6 +75,8 @@ class Sim:
                 messages = req["messages"]
                 prompt_text = " ".join(_content_text(m.get("content")) for m in messages)
                 prompt_tokens = text.count_tokens(prompt_text) + 4 * len(messages) + 3
+            elif kind == "responses":
+                prompt_text, prompt_tokens = sim_responses.prompt_of(req)
             else:
                 prompt_text = _prompt_text(req["prompt"])
                 prompt_tokens = text.count_tokens(prompt_text)
@@ -81,42 +88,27 @@ class Sim:
             timing = self.timing_for(request, prompt_text)
         except ValueError as e:
             return _error(400, str(e))
-        max_tokens = req.get("max_completion_tokens") or req.get("max_tokens")
+        max_tokens = (
+            req.get("max_completion_tokens")
+            or req.get("max_tokens")
+            or req.get("max_output_tokens")
+        )
         n_out = timing.force_output_tokens
         if n_out is None:
             n_out = int(max_tokens) if max_tokens is not None else timing.output_tokens
-        rec = Record(
-            request.headers.get("x-request-id") or uuid.uuid4().hex,
+        rec, refusal, rl_headers = self._admit(
+            request,
             kind,
-            time.monotonic(),
-            prompt_tokens=prompt_tokens,
+            timing,
+            prompt_tokens,
+            prompt_tokens + int(max_tokens or timing.output_tokens),
         )
-        fault = timing.fault
-        if fault is not None:
-            rec.fault = fault.kind
-        self.record(rec)
-
-        wait, rl_headers = self.limits.admit(
-            prompt_tokens + int(max_tokens or timing.output_tokens)
-        )
-        if wait > 0:
-            rec.status = 429
-            self.finish(rec, "error")
-            return _error(
-                429,
-                "Rate limit reached. Please try again later.",
-                code="rate_limit_exceeded",
-                headers=retry_headers(wait, rl_headers),
-            )
-        if fault is not None and fault.kind == "status":
-            rec.status = fault.status
-            self.finish(rec, "error")
-            headers = rl_headers
-            if fault.status == 429:
-                headers = retry_headers(1.0, rl_headers)
-            return _error(fault.status, f"Simulated error {fault.status}.", headers=headers)
-
+        if refusal is not None:
+            return refusal
         finish_reason = "length" if max_tokens is not None and n_out >= int(max_tokens) else "stop"
+        call = sim_responses.forced_call(req) if kind != "text" else None
+        if call is not None and finish_reason == "stop" and kind == "chat":
+            finish_reason = "tool_calls"
         tokens = list(islice(text.words(self.config.seed, prompt_text), n_out))
         stream = bool(req.get("stream"))
         opts = req.get("stream_options") or {}
@@ -127,6 +119,11 @@ class Sim:
         }
         self.active += 1
         try:
+            if stream and kind == "responses":
+                frames = sim_responses.ResponsesFrames(rec, model, req, finish_reason, usage, call)
+                return await stream_events(
+                    request, rec, frames, tokens, timing, rl_headers, self.finish
+                )
             if stream:
                 return await stream_completion(
                     request,
@@ -139,9 +136,10 @@ class Sim:
                     usage if opts.get("include_usage") else None,
                     rl_headers,
                     self.finish,
+                    call,
                 )
             return await self._unary(
-                rec, kind, model, tokens, timing, finish_reason, usage, rl_headers
+                rec, kind, model, tokens, timing, finish_reason, usage, rl_headers, req, call
             )
         except asyncio.CancelledError:
             self.finish(rec, "cancelled")
@@ -155,6 +153,79 @@ class Sim:
         finally:
             self.active -= 1
 
+    def _admit(
+        self, request: web.Request, kind: str, timing: Timing, prompt_tokens: int, cost: int
+    ) -> tuple[Record, web.Response | None, dict[str, str]]:
+        """Records the request and charges the rate limits `cost` tokens: (its record, the
+        refusal to answer with (a 429 or a `status` fault) or None, the rate-limit headers)."""
+        rec = Record(
+            request.headers.get("x-request-id") or uuid.uuid4().hex,
+            kind,
+            time.monotonic(),
+            prompt_tokens=prompt_tokens,
+        )
+        fault = timing.fault
+        if fault is not None:
+            rec.fault = fault.kind
+        self.record(rec)
+        wait, rl_headers = self.limits.admit(cost)
+        if wait > 0:
+            rec.status = 429
+            self.finish(rec, "error")
+            refusal = _error(
+                429,
+                "Rate limit reached. Please try again later.",
+                code="rate_limit_exceeded",
+                headers=retry_headers(wait, rl_headers),
+            )
+            return rec, refusal, rl_headers
+        if fault is not None and fault.kind == "status":
+            rec.status = fault.status
+            self.finish(rec, "error")
+            headers = rl_headers
+            if fault.status == 429:
+                headers = retry_headers(1.0, rl_headers)
+            refusal = _error(fault.status, f"Simulated error {fault.status}.", headers=headers)
+            return rec, refusal, rl_headers
+        return rec, None, rl_headers
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """Deterministic vectors (embeddings.py), after the ttft delay, with the rate limits
+        and `status` faults of completions."""
+        body = await _read_body(request)
+        if body is None:
+            return _error(413, "Request too large.")
+        try:
+            req = orjson.loads(body)
+            model = req["model"]
+            inputs, prompt_text, prompt_tokens = sim_embeddings.inputs(req["input"])
+            dims = int(req.get("dimensions") or sim_embeddings.DIMENSIONS)
+            fmt = req.get("encoding_format") or "float"
+            if fmt not in ("float", "base64") or not 1 <= dims <= sim_embeddings.MAX_DIMENSIONS:
+                raise ValueError
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError):
+            return _error(400, "Invalid request body.")
+        if not self.config.any_model and model not in self.config.models:
+            return _error(404, f"The model `{model}` does not exist.", code="model_not_found")
+        try:
+            timing = self.timing_for(request, prompt_text)
+        except ValueError as e:
+            return _error(400, str(e))
+        rec, refusal, rl_headers = self._admit(
+            request, "embeddings", timing, prompt_tokens, prompt_tokens
+        )
+        if refusal is not None:
+            return refusal
+        try:
+            if timing.ttft_ms > 0:
+                await asyncio.sleep(timing.ttft_ms / 1000)
+        except asyncio.CancelledError:
+            self.finish(rec, "cancelled")
+            raise
+        answer = sim_embeddings.body(self.config.seed, model, inputs, dims, fmt, prompt_tokens)
+        self.finish(rec, "completed")
+        return web.Response(body=answer, content_type="application/json", headers=rl_headers)
+
     async def _unary(
         self,
         rec: Record,
@@ -165,6 +236,8 @@ class Sim:
         finish_reason: str,
         usage: dict[str, int],
         headers: dict[str, str],
+        req: dict[str, Any],
+        call: str | None,
     ) -> web.Response:
         delay = timing.ttft_ms + max(0, len(tokens) - 1) * timing.itl_ms
         if timing.fault is not None and timing.fault.kind in ("stall-first", "stall"):
@@ -172,13 +245,25 @@ class Sim:
         if delay > 0:
             await asyncio.sleep(delay / 1000)
         content = "".join(tokens)
+        rec.tokens = len(tokens)
+        if kind == "responses":
+            self.finish(rec, "completed")
+            answer = sim_responses.response_body(
+                rec, model, req, content, finish_reason, usage, call
+            )
+            return web.Response(body=answer, content_type="application/json", headers=headers)
         created = int(time.time())
         cid = "chatcmpl-" + rec.id if kind == "chat" else "cmpl-" + rec.id
         choice: dict[str, Any]
         if kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            if call is not None:
+                function = {"name": call, "arguments": sim_responses.arguments(content.strip())}
+                tool = {"id": "call_" + rec.id, "type": "function", "function": function}
+                message.update(content=None, tool_calls=[tool])
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": content, "refusal": None},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
@@ -186,7 +271,6 @@ class Sim:
         else:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
             obj = "text_completion"
-        rec.tokens = len(tokens)
         self.finish(rec, "completed")
         body = {
             "id": cid,
@@ -259,6 +343,8 @@ class Sim:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/sim/stats", self.stats)
         app.router.add_post("/sim/reset", self.reset_stats)

@@ -4,8 +4,9 @@ Timing is an absolute schedule from the moment the request is read: the role chu
 first content chunk at ttft, chunk j at ttft + j * tokens_per_chunk * itl. Sleeping to absolute
 due times keeps errors from adding up; with zero delays every due time has passed, so events go
 out in large writes and the sim sustains far more than 10,000 tokens/s on one core.
-`start` and `paced` (the schedule and the stream faults) serve Anthropic's Messages stream
-too (messages.py); `stream_completion` writes OpenAI's chunks.
+`start` and `paced` (the schedule and the stream faults) are the one loop: `stream_events`
+writes any API's `Frames` with them (chat and completions here, Responses in responses.py),
+and Anthropic's Messages stream (messages.py) uses them directly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import orjson
 from aiohttp import web
@@ -29,10 +31,113 @@ WRITE_BATCH = 64 * 1024
 #: across a real network, the sim holds a bounded amount in flight: a reader that stops
 #: reading stops the stream within this many bytes, whatever the machine's tcp_wmem allows.
 SEND_BUFFER_BYTES = 256 * 1024
+#: How the arguments of a forced tool call start: `{"words":"<the words>"}`.
+ARGS_OPEN = '{"words":"'
 #: Longest a `hang-after-headers` fault holds a connection (seconds).
 MAX_HANG = 600.0
-#: What a `garbage` fault sends right after the headers: an event that is not JSON.
+#: What a `garbage` fault sends right after the opening: an event that is not JSON.
 GARBAGE = b"data: this is not json\n\n"
+
+
+class Frames(Protocol):
+    """The bytes of one API's stream: what opens it, each content delta, what closes it."""
+
+    def opening(self) -> bytes: ...
+
+    def delta(self, text: str) -> bytes: ...
+
+    def closing(self) -> bytes: ...
+
+
+class _ChatFrames:
+    """Chat or text completion chunks, `[DONE]` last."""
+
+    def __init__(
+        self,
+        rec: Record,
+        kind: str,
+        model: str,
+        finish_reason: str,
+        usage: dict[str, int] | None,
+        call: str | None = None,
+    ) -> None:
+        self.kind = kind
+        self.finish_reason = finish_reason
+        self.usage = usage
+        #: A forced tool call (chat only): the function's name; its id; whether it started.
+        self.call = call
+        self.call_id = "call_" + rec.id
+        self.called = False
+        created = str(int(time.time())).encode()
+        self.usage_field = b',"usage":null' if usage is not None else b""
+        if kind == "chat":
+            self.head = (
+                b'{"id":"chatcmpl-' + rec.id.encode() + b'","object":"chat.completion.chunk",'
+                b'"created":'
+                + created
+                + b',"model":'
+                + orjson.dumps(model)
+                + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
+            )
+            self.pre = b"data: " + self.head + b'"delta":{"content":'
+            self.post = b'},"logprobs":null,"finish_reason":null}]' + self.usage_field + b"}\n\n"
+        else:
+            self.head = (
+                b'{"id":"cmpl-' + rec.id.encode() + b'","object":"text_completion",'
+                b'"created":'
+                + created
+                + b',"model":'
+                + orjson.dumps(model)
+                + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
+            )
+            self.pre = b"data: " + self.head + b'"text":'
+            self.post = b',"logprobs":null,"finish_reason":null}]' + self.usage_field + b"}\n\n"
+
+    def opening(self) -> bytes:
+        if self.kind != "chat":
+            return b""
+        return sse.encode(
+            self.head + b'"delta":{"role":"assistant","content":""},'
+            b'"logprobs":null,"finish_reason":null}]' + self.usage_field + b"}"
+        )
+
+    def delta(self, text: str) -> bytes:
+        if self.call is not None:
+            return self._arguments(text)
+        return self.pre + orjson.dumps(text) + self.post
+
+    def _arguments(self, text: str) -> bytes:
+        """A tool call chunk: the first names the function, the rest add to its arguments."""
+        call: dict[str, object] = {"index": 0, "function": {"arguments": text}}
+        if not self.called:
+            self.called = True
+            function = {"name": self.call, "arguments": ARGS_OPEN + text.lstrip()}
+            call = {"index": 0, "id": self.call_id, "type": "function", "function": function}
+        delta = orjson.dumps({"tool_calls": [call]})
+        tail = b',"logprobs":null,"finish_reason":null}]' + self.usage_field + b"}\n\n"
+        return b"data: " + self.head + b'"delta":' + delta + tail
+
+    def closing(self) -> bytes:
+        end_delta = b'"delta":{},' if self.kind == "chat" else b'"text":"",'
+        out = [self._arguments('"}')] if self.call is not None else []
+        out += [
+            sse.encode(
+                self.head
+                + end_delta
+                + b'"logprobs":null,"finish_reason":"'
+                + self.finish_reason.encode()
+                + b'"}]'
+                + self.usage_field
+                + b"}"
+            )
+        ]
+        if self.usage is not None:
+            tail = self.head.rsplit(b'"choices":', 1)[0]
+            out.append(
+                sse.encode(tail + b'"choices":[],"usage":' + orjson.dumps(self.usage) + b"}")
+            )
+        out.append(sse.DONE_EVENT)
+        return b"".join(out)
 
 
 async def stream_completion(
@@ -46,73 +151,42 @@ async def stream_completion(
     usage: dict[str, int] | None,
     headers: dict[str, str],
     finish: Callable[[Record, str], None],
+    call: str | None = None,
 ) -> web.StreamResponse:
-    """Streams `tokens` as chat or text completion chunks; `finish(rec, outcome)` records how
-    the stream ended (completed, reset or truncated)."""
+    """Streams `tokens` as chat or text completion chunks (see `stream_events`); `call`: the
+    function a forced tool call names (its arguments hold the words)."""
+    frames = _ChatFrames(rec, kind, model, finish_reason, usage, call)
+    return await stream_events(request, rec, frames, tokens, timing, headers, finish)
+
+
+async def stream_events(
+    request: web.Request,
+    rec: Record,
+    frames: Frames,
+    tokens: list[str],
+    timing: Timing,
+    headers: dict[str, str],
+    finish: Callable[[Record, str], None],
+) -> web.StreamResponse:
+    """Streams `tokens` as `frames` writes them, on the request's schedule, with its stream
+    fault applied; `finish(rec, outcome)` records how the stream ended (completed, reset or
+    truncated)."""
     t0 = asyncio.get_running_loop().time()
     resp, hung = await start(request, rec, timing, headers, finish)
     if hung:
         return resp
-    created = int(time.time())
-    usage_field = b',"usage":null' if usage is not None else b""
-    if kind == "chat":
-        head = (
-            b'{"id":"chatcmpl-' + rec.id.encode() + b'","object":"chat.completion.chunk",'
-            b'"created":'
-            + str(created).encode()
-            + b',"model":'
-            + orjson.dumps(model)
-            + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
-        )
-        content_pre = b'"delta":{"content":'
-        content_post = b'},"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
-    else:
-        head = (
-            b'{"id":"cmpl-' + rec.id.encode() + b'","object":"text_completion",'
-            b'"created":'
-            + str(created).encode()
-            + b',"model":'
-            + orjson.dumps(model)
-            + b',"system_fingerprint":"tokenpipe-sim","choices":[{"index":0,'
-        )
-        content_pre = b'"text":'
-        content_post = b',"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
-
-    buf: list[bytes] = []
-    if kind == "chat":
-        buf.append(
-            sse.encode(
-                head + b'"delta":{"role":"assistant","content":""},'
-                b'"logprobs":null,"finish_reason":null}]' + usage_field + b"}"
-            )
-        )
+    buf: list[bytes] = [frames.opening()]
     if timing.fault is not None and timing.fault.kind == "garbage":
         buf.append(GARBAGE)
     await resp.write(b"".join(buf))
     buf.clear()
 
-    def encode(start: int, stop: int) -> bytes:
-        text = "".join(tokens[start:stop])
-        return b"data: " + head + content_pre + orjson.dumps(text) + content_post + b"\n\n"
+    def encode(first: int, stop: int) -> bytes:
+        return frames.delta("".join(tokens[first:stop]))
 
     if not await paced(request, resp, rec, len(tokens), timing, t0, encode, buf, finish):
         return resp
-    end_delta = b'"delta":{},' if kind == "chat" else b'"text":"",'
-    buf.append(
-        sse.encode(
-            head
-            + end_delta
-            + b'"logprobs":null,"finish_reason":"'
-            + finish_reason.encode()
-            + b'"}]'
-            + usage_field
-            + b"}"
-        )
-    )
-    if usage is not None:
-        tail = head.rsplit(b'"choices":', 1)[0]
-        buf.append(sse.encode(tail + b'"choices":[],"usage":' + orjson.dumps(usage) + b"}"))
-    buf.append(sse.DONE_EVENT)
+    buf.append(frames.closing())
     await resp.write(b"".join(buf))
     await resp.write_eof()
     finish(rec, "completed")

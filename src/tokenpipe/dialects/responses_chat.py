@@ -1,0 +1,323 @@
+"""A Responses API client served by a chat completions upstream: the upstream's chat chunks
+become Responses events, its chat completion a Response object.
+
+`ResponsesViaChat` is the request's dialect (one per request): toward the upstream it is chat
+(path, usage, continuation), toward the client Responses (`answer`, `error_event`). Its own
+`read` is chat's, without state, because the router also reads the first events of hedges and
+retries with it; the relayed stream is read by its `for_stream()`, a `_Translation` holding the
+stream's state: the output items opened so far and the next sequence number.
+
+The stream, as OpenAI writes it: `response.created`, `response.in_progress`, then per output
+item `response.output_item.added` (a message: `response.content_part.added`, the
+`response.output_text.delta` events; a function call: `response.function_call_arguments.delta`
+events; reasoning: `response.reasoning_text.delta` events), at the chat finish each item's
+`*.done` events in order, and at `[DONE]` `response.completed` (`response.incomplete` after a
+`length` or `content_filter` finish) with the usage and the whole output. The first two go
+out with the first event that carries anything (a role-only chunk carries nothing), so a
+hedge's or a retry's events can take over before content without the client seeing two starts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from tokenpipe import sse
+from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.openai import CHAT, ChatDialect
+from tokenpipe.dialects.responses import encode_event, error_payload, render_text_delta
+from tokenpipe.dialects.responses_output import (
+    INCOMPLETE,
+    OutputItem,
+    output_of,
+    response_object,
+    responses_usage,
+)
+from tokenpipe.errors import GatewayError
+
+
+class ResponsesViaChat(ChatDialect):
+    name = "responses"
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        #: The client's Responses request: what the Response object echoes.
+        self.request = request
+        self.id = "resp_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.stream = _Translation(self)
+
+    def read(
+        self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
+    ) -> Piece | None:
+        return CHAT.read(data, event, raw, strip_usage)
+
+    def for_stream(self) -> Dialect:
+        return self.stream
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        model: str | None = None,
+        finish: str | None = None,
+    ) -> dict[str, Any]:
+        """The Response object in the state `status`."""
+        return response_object(
+            self.request, self.id, self.created, status, output, usage, model, finish
+        )
+
+    def answer(self, body: bytes, obj: dict[str, Any]) -> bytes:
+        """A chat completion as a Response."""
+        output, status, finish = output_of(obj)
+        model = obj.get("model")
+        usage = responses_usage(obj.get("usage"))
+        model = model if isinstance(model, str) else None
+        return orjson.dumps(self.response(status, output, usage, model, finish))
+
+    def error_event(self, error: GatewayError) -> bytes:
+        out: list[bytes] = []
+        self.stream.add(out, error_payload(error, 0))
+        return b"".join(out)
+
+
+class _Translation(Dialect):
+    """The relayed stream's reader: chat chunks in, Responses events out (see the module)."""
+
+    name = "responses"
+    path = "/chat/completions"
+
+    def __init__(self, owner: ResponsesViaChat) -> None:
+        self.owner = owner
+        self.seq = 0  # the next event's sequence_number
+        self.items: list[OutputItem] = []
+        self.message: OutputItem | None = None
+        self.reasoning: OutputItem | None = None
+        self.calls: dict[int, OutputItem] = {}  # chat tool call index -> its item
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.model: str | None = None
+        self.closed = False  # the items' done events were written
+
+    def add(self, out: list[bytes], obj: dict[str, Any]) -> dict[str, Any]:
+        """Appends the event `obj` with the next sequence number (after the response's two
+        opening events, if this is the stream's first)."""
+        if self.seq == 0 and obj["type"] != "response.created":
+            snapshot = self.owner.response("in_progress", [], model=self.model)
+            self.add(out, {"type": "response.created", "response": snapshot})
+            self.add(out, {"type": "response.in_progress", "response": snapshot})
+        obj["sequence_number"] = self.seq
+        self.seq += 1
+        out.append(encode_event(obj))
+        return obj
+
+    def read(
+        self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
+    ) -> Piece | None:
+        if data == sse.DONE:
+            return self._end()
+        try:
+            obj = orjson.loads(data)
+        except (orjson.JSONDecodeError, RecursionError):
+            raise sse.SSEProtocolError("upstream sent an event that is not valid JSON") from None
+        if type(obj) is not dict:
+            raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+        if self.model is None and isinstance(obj.get("model"), str):
+            self.model = obj["model"]
+        usage = obj.get("usage")
+        usage = usage if isinstance(usage, dict) and usage else None
+        if usage is not None:
+            self.usage = usage
+        choices = obj.get("choices")
+        out: list[bytes] = []
+        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+            error = obj.get("error")
+            if isinstance(error, dict):  # the upstream's own error event ends the stream
+                self.add(out, _error_event(error))
+                piece = Piece(b"".join(out))
+                piece.error, piece.end, piece.usage = error, True, usage
+                return piece
+            return _facts(usage)
+        choice = choices[0]
+        delta = choice.get("delta")
+        delta = delta if isinstance(delta, dict) else {}
+        template = None
+        texts: list[str] = []
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            self._reasoning(out, reasoning)
+            texts.append("")
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            plain = not out
+            template = self._text(out, content)
+            texts.append(content)
+            if not (plain and len(out) == 1):
+                template = None  # the delta goes out with other events: it never merges
+        calls = delta.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            for n, call in enumerate(calls):
+                if isinstance(call, dict):
+                    self._call(out, call, n)
+            texts.append("")
+            template = None
+        finish = choice.get("finish_reason")
+        if isinstance(finish, str) and finish:
+            self.finish = finish
+            self._close(out)
+            template = None
+        if not out:
+            return _facts(usage)
+        piece = Piece(b"".join(out), ["".join(texts)] if texts else None)
+        if template is not None:  # a plain text delta: merges with its neighbours
+            piece.template, piece.kind, piece.dialect = template, "text", self
+        piece.usage = usage
+        if finish:
+            piece.finish_reason = finish
+        return piece
+
+    def render(self, template: Any, kind: str, text: str) -> bytes:
+        return render_text_delta(template, text)
+
+    def _open(self, out: list[bytes], kind: str, prefix: str) -> OutputItem:
+        item = OutputItem(kind, len(self.items), prefix + uuid.uuid4().hex)
+        self.items.append(item)
+        added = {"type": "response.output_item.added", "output_index": item.index}
+        self.add(out, {**added, "item": item.item("in_progress")})
+        if kind != "function_call":
+            part = {"type": "response.content_part.added", **self._where(item)}
+            self.add(out, {**part, "part": item.part()})
+        return item
+
+    def _where(self, item: OutputItem) -> dict[str, Any]:
+        return {"item_id": item.id, "output_index": item.index, "content_index": 0}
+
+    def _text(self, out: list[bytes], text: str) -> dict[str, Any]:
+        if self.message is None:
+            self.message = self._open(out, "message", "msg_")
+        self.message.text += text
+        return self.add(
+            out,
+            {
+                "type": "response.output_text.delta",
+                **self._where(self.message),
+                "delta": text,
+                "logprobs": [],
+            },
+        )
+
+    def _reasoning(self, out: list[bytes], text: str) -> None:
+        if self.reasoning is None:
+            self.reasoning = self._open(out, "reasoning", "rs_")
+        self.reasoning.text += text
+        event = {"type": "response.reasoning_text.delta", **self._where(self.reasoning)}
+        self.add(out, {**event, "delta": text})
+
+    def _call(self, out: list[bytes], call: dict[str, Any], n: int) -> None:
+        function = call.get("function")
+        function = function if isinstance(function, dict) else {}
+        key = call.get("index")
+        key = key if type(key) is int else n  # (an upstream's value: any JSON)
+        item = self.calls.get(key)
+        if item is None:
+            item = OutputItem("function_call", len(self.items), "fc_" + uuid.uuid4().hex)
+            item.call_id = str(call.get("id") or "call_" + uuid.uuid4().hex)
+            item.name = str(function.get("name") or "")
+            self.items.append(item)
+            self.calls[key] = item
+            added = {"type": "response.output_item.added", "output_index": item.index}
+            self.add(out, {**added, "item": item.item("in_progress")})
+        args = function.get("arguments")
+        if isinstance(args, str) and args:
+            item.text += args
+            self.add(
+                out,
+                {
+                    "type": "response.function_call_arguments.delta",
+                    "item_id": item.id,
+                    "output_index": item.index,
+                    "delta": args,
+                },
+            )
+
+    def _status(self) -> str:
+        return "incomplete" if self.finish in INCOMPLETE else "completed"
+
+    def _close(self, out: list[bytes]) -> None:
+        """Each open item's done events, in the order they were opened."""
+        if self.closed:
+            return
+        self.closed = True
+        status = self._status()
+        for item in self.items:
+            where = self._where(item)
+            if item.kind == "function_call":
+                self.add(
+                    out,
+                    {
+                        "type": "response.function_call_arguments.done",
+                        "item_id": item.id,
+                        "output_index": item.index,
+                        "name": item.name,
+                        "arguments": item.text,
+                    },
+                )
+            else:
+                done = "response.output_text.done"
+                extra: dict[str, Any] = {"logprobs": []}
+                if item.kind == "reasoning":
+                    done, extra = "response.reasoning_text.done", {}
+                self.add(out, {"type": done, **where, "text": item.text, **extra})
+                self.add(out, {"type": "response.content_part.done", **where, "part": item.part()})
+            done_item = {"type": "response.output_item.done", "output_index": item.index}
+            self.add(out, {**done_item, "item": item.item(status)})
+
+    def _end(self) -> Piece:
+        """`[DONE]`: the response's last event, with the usage and the whole output."""
+        out: list[bytes] = []
+        self._close(out)
+        status = self._status()
+        response = self.owner.response(
+            status,
+            [i.item(status) for i in self.items],
+            responses_usage(self.usage),
+            self.model,
+            self.finish,
+        )
+        self.add(out, {"type": f"response.{status}", "response": response})
+        piece = Piece(b"".join(out))
+        piece.end = True
+        piece.usage = self.usage
+        piece.finish_reason = self.finish or "stop"
+        return piece
+
+
+def _echo_tool(tool: Any) -> Any:
+    """A request's function tool as a Response lists it (with `strict` and `parameters`,
+    null when the request left them out)."""
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        return {"strict": None, "parameters": None, **tool}
+    return tool
+
+
+def _error_event(error: dict[str, Any]) -> dict[str, Any]:
+    code = error.get("code")
+    return {
+        "type": "error",
+        "code": code if isinstance(code, str) else error.get("type"),
+        "message": str(error.get("message") or "upstream error"),
+        "param": error.get("param") if isinstance(error.get("param"), str) else None,
+    }
+
+
+def _facts(usage: dict[str, Any] | None) -> Piece | None:
+    """A chunk with nothing for the client (a role chunk, a usage chunk): its usage only."""
+    if usage is None:
+        return None
+    piece = Piece(None)
+    piece.usage = usage
+    piece.hidden = True
+    return piece

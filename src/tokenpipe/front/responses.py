@@ -1,0 +1,110 @@
+"""`POST /v1/responses`: the OpenAI Responses API, streamed or not.
+
+Which way a request goes is the upstreams' setting (`upstreams[].responses`): passed through
+to /responses when every upstream that serves the model is `native`, else translated into a
+chat completion (the default, `chat`: llama.cpp, the embedded model and most
+OpenAI-compatible servers have no Responses API), whose answer or stream is translated back
+(dialects/responses_chat.py). Translated requests are chat requests below this point, so
+context budgeting applies to them as to chat. A probe of the upstream (ask /responses once,
+remember a 404) could replace the setting later.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import orjson
+from aiohttp import web
+
+from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.control.pacing import pace_gate
+from tokenpipe.dialects import openai_schema as schema
+from tokenpipe.dialects.base import Dialect
+from tokenpipe.dialects.responses import ResponsesDialect
+from tokenpipe.dialects.responses_chat import ResponsesViaChat
+from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
+from tokenpipe.errors import GatewayError
+from tokenpipe.front import drain
+from tokenpipe.front.answer import relay_sse, unary
+from tokenpipe.front.edge import (
+    CLIENT_CLOSED,
+    GATEWAY,
+    SSE_HEADERS,
+    bound_client_buffers,
+    read_body,
+    request_id,
+)
+from tokenpipe.pipeline import Call, Gateway
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    started = time.perf_counter()
+    gw = request.app[GATEWAY]
+    rid = request_id(request)
+    key = gw.auth.check(request.headers.get("Authorization"))
+    scope = gw.scope(request.headers)  # the request's one deadline scope, from here on
+    server = gw.settings.server
+    body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
+    req, obj = schema.parse(body, ResponsesRequest)
+    gate = None
+    if req.stream:
+        opts = req.stream_options
+        gate = pace_gate(request.headers, opts.max_tokens_per_second if opts else None)
+    kind: type[Any] = ResponsesRequest
+    dialect: Dialect
+    if await _native(gw, req.model):
+        dialect = ResponsesDialect()  # per request: it numbers the gateway's own error event
+    else:
+        dialect = ResponsesViaChat(obj)
+        obj = to_chat(obj)
+        try:
+            req = msgspec.convert(obj, schema.ChatRequest)
+        except msgspec.ValidationError as e:  # what the translation let through, chat refuses
+            raise GatewayError(400, f"Invalid request: {e}", code="invalid_request") from None
+        body, kind = orjson.dumps(obj), schema.ChatRequest
+    call = await gw.open(
+        kind,
+        req,
+        obj,
+        body,
+        key=key,
+        request_id=rid,
+        started=started,
+        headers=request.headers,
+        scope=scope,
+        pace=gate.rate if gate is not None else None,
+        dialect=dialect,
+    )
+    return await answer(request, call, rid, bool(req.stream), gate)
+
+
+async def _native(gw: Gateway, model: str) -> bool:
+    """Every upstream that serves `model` serves /responses itself (a fallback to one that
+    does not would fail a native request: then all of them get chat)."""
+    upstreams = await gw.router.candidates(model, "openai")
+    return all(u.settings.responses == "native" for u in upstreams)
+
+
+async def answer(
+    request: web.Request, call: Call, rid: str, stream: bool, gate: FlowGate | None
+) -> web.StreamResponse:
+    """The call's answer to the client (a body, or the relayed stream); closes the call."""
+    status = CLIENT_CLOSED
+    try:
+        if call.uresp.status != 200 or not stream:
+            status, response = await unary(call, rid)
+            response.headers.update(call.ctx.headers)
+            return response
+        sse_response = web.StreamResponse(
+            status=200, headers={**SSE_HEADERS, "x-request-id": rid, **call.ctx.headers}
+        )
+        bound_client_buffers(request, request.app[GATEWAY].settings.server.stream_send_buffer_bytes)
+        await sse_response.prepare(request)
+        request[drain.STREAM] = sse_response  # a shutdown cut ends it with an error event
+        request[drain.ERROR_EVENT] = call.dialect.error_event  # ... of the Responses API
+        status = await relay_sse(call, sse_response, gate, request)
+        return sse_response
+    finally:
+        call.close(status)
