@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from tokenpipe import sse
+from tokenpipe.dialects.anthropic import ERROR_TYPES
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.chat_request import chat_request
 from tokenpipe.errors import GatewayError
@@ -30,21 +31,9 @@ STOP_REASONS = {
     "function_call": "tool_use",
     "content_filter": "refusal",
 }
-#: The error `type` Anthropic's API gives for each status.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
-
-
 def anthropic_error(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body for `status` (another 5xx: api_error)."""
+    """Anthropic's error body for `status` (anthropic.ERROR_TYPES; another 4xx is an
+    invalid_request_error, another 5xx an api_error)."""
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 
