@@ -31,6 +31,8 @@ STOP_REASONS = {
     "function_call": "tool_use",
     "content_filter": "refusal",
 }
+
+
 def anthropic_error(status: int, message: str) -> dict[str, Any]:
     """Anthropic's error body for `status` (anthropic.ERROR_TYPES; another 4xx is an
     invalid_request_error, another 5xx an api_error)."""
