@@ -73,12 +73,12 @@ class Sim:
             model = req["model"]
             if kind == "chat":
                 messages = req["messages"]
-                prompt_text = " ".join(_content_text(m.get("content")) for m in messages)
+                prompt_text = " ".join(text.content_text(m.get("content")) for m in messages)
                 prompt_tokens = text.count_tokens(prompt_text) + 4 * len(messages) + 3
             elif kind == "responses":
                 prompt_text, prompt_tokens = sim_responses.prompt_of(req)
             else:
-                prompt_text = _prompt_text(req["prompt"])
+                prompt_text = text.prompt_text(req["prompt"])
                 prompt_tokens = text.count_tokens(prompt_text)
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             return _error(400, "Invalid request body.")
@@ -389,19 +389,3 @@ def _error(
     return web.Response(
         status=status, body=orjson.dumps(body), content_type="application/json", headers=headers
     )
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
-
-
-def _prompt_text(prompt: Any) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return " ".join(p if isinstance(p, str) else str(p) for p in prompt)
-    raise TypeError("prompt")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 _ONSETS = ("b", "c", "d", "f", "g", "l", "m", "n", "p", "r", "s", "t", "v", "pr", "st", "tr")
 _VOWELS = ("a", "e", "i", "o", "u")
@@ -62,3 +63,21 @@ def words(seed: int, context: str) -> Iterator[str]:
 
 def count_tokens(text: str) -> int:
     return len(text.split())
+
+
+def content_text(content: Any) -> str:
+    """The text of a chat message's content: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def prompt_text(prompt: Any) -> str:
+    """The text of a completion's prompt: a string, or a list of them (TypeError else)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return " ".join(p if isinstance(p, str) else str(p) for p in prompt)
+    raise TypeError("prompt")
