@@ -89,22 +89,23 @@ def _assistant(content: Any, out: list[dict[str, Any]]) -> None:
         if kind == "text":
             text.append(str(block.get("text") or ""))
         elif kind == "tool_use":
-            calls.append(
-                {
-                    "id": block.get("id"),
-                    "type": "function",
-                    "function": {
-                        "name": block.get("name"),
-                        "arguments": orjson.dumps(block.get("input") or {}).decode(),
-                    },
-                }
-            )
+            calls.append(tool_call(block))
         else:
             raise _bad("messages", f"has an assistant block of type {kind!r}")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
     if calls:
         message["tool_calls"] = calls
     out.append(message)
+
+
+def tool_call(block: dict[str, Any]) -> dict[str, Any]:
+    """A Messages `tool_use` block as a chat tool call (its input as JSON arguments)."""
+    arguments = orjson.dumps(block.get("input") or {}).decode()
+    return {
+        "id": block.get("id"),
+        "type": "function",
+        "function": {"name": block.get("name"), "arguments": arguments},
+    }
 
 
 def chat_request(messages_req: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import orjson
 
 from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.chat_request import tool_call
 from tokenpipe.dialects.messages_request import messages_request
 from tokenpipe.dialects.openai import CHAT
 from tokenpipe.usage import count
@@ -197,16 +198,7 @@ class ChatViaMessages(Dialect):
             if kind == "text":
                 text.append(str(block.get("text") or ""))
             elif kind == "tool_use":
-                calls.append(
-                    {
-                        "id": block.get("id"),
-                        "type": "function",
-                        "function": {
-                            "name": block.get("name"),
-                            "arguments": orjson.dumps(block.get("input") or {}).decode(),
-                        },
-                    }
-                )
+                calls.append(tool_call(block))
             elif kind == "thinking":
                 reasoning.append(str(block.get("thinking") or ""))
         message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}

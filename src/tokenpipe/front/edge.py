@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from tokenpipe import request_ids
+from tokenpipe.control.deadline import Scope
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import logs
 from tokenpipe.pipeline import Gateway
@@ -29,6 +32,35 @@ SSE_HEADERS = {
 CLIENT_CLOSED = 499
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+
+class Arrival(NamedTuple):
+    """What every API route has in hand before it parses the body (`arrive`)."""
+
+    started: float  # time.perf_counter() at arrival
+    gateway: Gateway
+    rid: str  # the request id
+    key: str  # the client key's name
+    scope: Scope  # the request's one deadline scope
+    body: bytes
+
+
+async def arrive(request: web.Request, *, x_api_key: bool = False) -> Arrival:
+    """The first steps of every API route, in order: request id, auth (before any work; with
+    `x_api_key`, Anthropic's header is accepted too), the deadline scope (from here on), the
+    body within its size and time bounds."""
+    started = time.perf_counter()
+    gw = request.app[GATEWAY]
+    rid = request_id(request)
+    bearer = request.headers.get("Authorization")
+    if x_api_key:
+        key = gw.auth.check_any(bearer, request.headers.get("x-api-key"))
+    else:
+        key = gw.auth.check(bearer)
+    scope = gw.scope(request.headers)
+    server = gw.settings.server
+    body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
+    return Arrival(started, gw, rid, key, scope, body)
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:

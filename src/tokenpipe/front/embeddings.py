@@ -4,24 +4,16 @@ retries, fallbacks, circuit breaking, metrics); never streamed."""
 
 from __future__ import annotations
 
-import time
-
 from aiohttp import web
 
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.dialects.embeddings import EMBEDDINGS, EmbeddingsRequest
-from tokenpipe.front.edge import GATEWAY, read_body, request_id
-from tokenpipe.front.responses import answer
+from tokenpipe.front.answer import respond
+from tokenpipe.front.edge import arrive
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
-    started = time.perf_counter()
-    gw = request.app[GATEWAY]
-    rid = request_id(request)
-    key = gw.auth.check(request.headers.get("Authorization"))
-    scope = gw.scope(request.headers)
-    server = gw.settings.server
-    body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
+    started, gw, rid, key, scope, body = await arrive(request)
     req, obj = schema.parse(body, EmbeddingsRequest)
     call = await gw.open(
         EmbeddingsRequest,
@@ -35,4 +27,4 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
         scope=scope,
         dialect=EMBEDDINGS,
     )
-    return await answer(request, call, rid, False, None)
+    return await respond(request, call, rid, False, None)

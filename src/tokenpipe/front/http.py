@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from importlib import resources
 from typing import Any
 
@@ -24,10 +23,10 @@ from tokenpipe.front import cors, drain, messages
 from tokenpipe.front.answer import respond
 from tokenpipe.front.edge import (
     GATEWAY,
+    arrive,
     error_body_of,
     error_response,
     json_response,
-    read_body,
     request_id,
 )
 from tokenpipe.front.embeddings import embeddings
@@ -112,13 +111,7 @@ async def _completion(
     request: web.Request,
     kind: type[schema.ChatRequest] | type[schema.CompletionRequest],
 ) -> web.StreamResponse:
-    started = time.perf_counter()
-    gw = request.app[GATEWAY]
-    rid = request_id(request)
-    key = gw.auth.check(request.headers.get("Authorization"))
-    scope = gw.scope(request.headers)  # the request's one deadline scope, from here on
-    server = gw.settings.server
-    body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
+    started, gw, rid, key, scope, body = await arrive(request)
     req, obj = schema.parse(body, kind)
     gate = None
     if req.stream:

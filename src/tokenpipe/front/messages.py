@@ -12,15 +12,13 @@ status. Context budgeting does not apply (yet): it knows OpenAI's request shapes
 
 from __future__ import annotations
 
-import time
-
 from aiohttp import web
 
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import COUNT_TOKENS, MESSAGES, Dialect
 from tokenpipe.dialects import anthropic_schema as schema
 from tokenpipe.front.answer import respond
-from tokenpipe.front.edge import ERROR_BODIES, GATEWAY, read_body, request_id
+from tokenpipe.front.edge import ERROR_BODIES, arrive
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -41,13 +39,7 @@ async def _messages(
     kind: type[schema.MessagesRequest] | type[schema.CountTokensRequest],
     dialect: Dialect,
 ) -> web.StreamResponse:
-    started = time.perf_counter()
-    gw = request.app[GATEWAY]
-    rid = request_id(request)
-    key = gw.auth.check_any(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-    scope = gw.scope(request.headers)  # the request's one deadline scope, from here on
-    server = gw.settings.server
-    body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
+    started, gw, rid, key, scope, body = await arrive(request, x_api_key=True)
     req, obj = schema.parse(body, kind)
     gate = pace_gate(request.headers, None) if req.stream else None
     call = await gw.open(

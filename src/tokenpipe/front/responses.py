@@ -11,14 +11,12 @@ remember a 404) could replace the setting later.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
 import orjson
 from aiohttp import web
 
-from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.dialects.base import Dialect
@@ -26,27 +24,15 @@ from tokenpipe.dialects.responses import ResponsesDialect
 from tokenpipe.dialects.responses_chat import ResponsesViaChat
 from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import drain
-from tokenpipe.front.answer import relay_sse, unary
+from tokenpipe.front.answer import respond
 from tokenpipe.front.edge import (
-    CLIENT_CLOSED,
-    GATEWAY,
-    SSE_HEADERS,
-    bound_client_buffers,
-    read_body,
-    request_id,
+    arrive,
 )
-from tokenpipe.pipeline import Call, Gateway
+from tokenpipe.pipeline import Gateway
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    started = time.perf_counter()
-    gw = request.app[GATEWAY]
-    rid = request_id(request)
-    key = gw.auth.check(request.headers.get("Authorization"))
-    scope = gw.scope(request.headers)  # the request's one deadline scope, from here on
-    server = gw.settings.server
-    body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
+    started, gw, rid, key, scope, body = await arrive(request)
     req, obj = schema.parse(body, ResponsesRequest)
     gate = None
     if req.stream:
@@ -77,7 +63,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         pace=gate.rate if gate is not None else None,
         dialect=dialect,
     )
-    return await answer(request, call, rid, bool(req.stream), gate)
+    return await respond(request, call, rid, bool(req.stream), gate)
 
 
 async def _native(gw: Gateway, model: str) -> bool:
@@ -85,26 +71,3 @@ async def _native(gw: Gateway, model: str) -> bool:
     does not would fail a native request: then all of them get chat)."""
     upstreams = await gw.router.candidates(model, "openai")
     return all(u.settings.responses == "native" for u in upstreams)
-
-
-async def answer(
-    request: web.Request, call: Call, rid: str, stream: bool, gate: FlowGate | None
-) -> web.StreamResponse:
-    """The call's answer to the client (a body, or the relayed stream); closes the call."""
-    status = CLIENT_CLOSED
-    try:
-        if call.uresp.status != 200 or not stream:
-            status, response = await unary(call, rid)
-            response.headers.update(call.ctx.headers)
-            return response
-        sse_response = web.StreamResponse(
-            status=200, headers={**SSE_HEADERS, "x-request-id": rid, **call.ctx.headers}
-        )
-        bound_client_buffers(request, request.app[GATEWAY].settings.server.stream_send_buffer_bytes)
-        await sse_response.prepare(request)
-        request[drain.STREAM] = sse_response  # a shutdown cut ends it with an error event
-        request[drain.ERROR_EVENT] = call.dialect.error_event  # ... of the Responses API
-        status = await relay_sse(call, sse_response, gate, request)
-        return sse_response
-    finally:
-        call.close(status)
