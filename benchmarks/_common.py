@@ -62,6 +62,15 @@ def gateway(sim_url: str, grpc_port: int = 0, config: Path | None = None) -> Ser
     )
 
 
+def gateway_with(name: str, config: str) -> Service:
+    """`tokenpipe serve` with the config `config` (YAML, written to .cache/NAME.yaml) and
+    nothing of the command line's in its way (its upstreams are the config's)."""
+    path = ROOT / ".cache" / f"{name}.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(config)
+    return procs.gateway("--config", str(path), "--log-level", "warning")
+
+
 #: tokenpipe with every optional layer off (`--features-off` of relay_cost.py and overhead.py),
 #: to tell the cost of the features from that of the request path itself.
 FEATURES_OFF = """\

@@ -1,4 +1,5 @@
 """The floor for any Python gateway: a byte-forwarding aiohttp relay, no parsing, no metrics.
+Every POST under /v1/ is forwarded to the same path upstream, whatever its API.
 
 python benchmarks/bare_relay.py --upstream http://127.0.0.1:9000 --port 0
 
@@ -43,8 +44,8 @@ def app(upstream: str, cpu_us: float = 0.0) -> web.Application:
             return resp
 
     a = web.Application()
-    a.router.add_post("/v1/chat/completions", relay)
-    a.router.add_post("/v1/completions", relay)
+    # Any API's POST (chat, completions, responses, messages, ...): the bytes are the same.
+    a.router.add_post("/v1/{path:.+}", relay)
     return a
 
 

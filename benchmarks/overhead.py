@@ -37,6 +37,15 @@ gateway's per-request cost alone does to TTFT and throughput.
 
 LiteLLM is installed on first use into .cache/litellm-venv (its own venv: its pins must not
 touch ours); `--litellm off` skips it.
+
+`--api chat,responses,messages` (any of them) makes the table per client API instead
+(overhead_apis.py): for each API the client against the sim in that API, the bare relay,
+tokenpipe passing it through natively and tokenpipe translating it onto the other API's
+upstream (chat onto Anthropic Messages; Responses and Messages onto OpenAI chat), with TTFT
+against the bare relay, translated against native, and the gateway's CPU per request:
+
+    python benchmarks/overhead.py --api chat,responses,messages --litellm off --pace paced \
+        --concurrency 16 --round-s 10 --rounds 20     # ~50 min: 12 targets a round
 """
 
 from __future__ import annotations
@@ -44,49 +53,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import random
-import statistics
 import subprocess
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import (
-    bare_relay,
-    cpu_seconds,
-    features_off_config,
-    fmt,
-    free_port,
-    gateway,
-    litellm,
-    write_json,
-)
+from _common import bare_relay, features_off_config, fmt, free_port, gateway, litellm, write_json
+from _overhead import MODEL, PACED_ITL_MS, Target, ramp_seconds, row, run_rounds
+from overhead_apis import GATEWAYS
+from overhead_apis import bench_pace as bench_apis
 
-from tokenpipe.bench import Summary, run_load
 from tokenpipe.bench.procs import Service
 from tokenpipe.serving import install_uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "sim-model"
-#: The sim's gap between tokens when paced: 200 tokens/s per stream.
-PACED_ITL_MS = 5.0
 STARTS = ("staggered", "burst")
-#: Resamples of the bootstrap interval of the differences to the relay (seeded: reproducible).
-BOOTSTRAP = 2000
 #: LiteLLM's proxy refuses to start without a master key; clients then must present it.
 LITELLM_KEY = "sk-tokenpipe-bench-0123456789abcdef"
-
-
-@dataclass
-class Target:
-    name: str
-    url: str  # base URL with /v1
-    pid: int | None  # the process whose CPU is the gateway's cost (None: direct)
-    api_key: str | None = None
-    summary: Summary = field(default_factory=Summary)
-    cpu_s: float = 0.0
-    #: Per round: (TTFT p50 ms, TTFT p99 ms, users' tokens/s).
-    rounds: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
@@ -102,87 +84,6 @@ def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
         "  num_retries: 0\n"
     )
     return litellm("overhead", port, config, {"LITELLM_MASTER_KEY": LITELLM_KEY})
-
-
-async def _run_target(
-    t: Target, concurrency: int, requests: int, max_tokens: int, ramp_s: float, round_s: float
-) -> None:
-    cpu0 = cpu_seconds(t.pid)
-    result = await run_load(
-        t.url,
-        MODEL,
-        api_key=t.api_key,
-        concurrency=concurrency,
-        requests=None if round_s else requests,
-        duration_s=round_s or None,
-        max_tokens=max_tokens,
-        prompt_tokens=32,
-        label=t.name,
-        ramp_s=ramp_s,
-    )
-    t.cpu_s += cpu_seconds(t.pid) - cpu0
-    if round_s:  # steady load only: the ramp's requests met fewer streams than `concurrency`
-        steady = result.started_at + ramp_s
-        result.records = [r for r in result.records if r.sent_at >= steady]
-    summary = result.summary()
-    t.summary.merge(summary)
-    ttft = summary.to_json()["ttft_ms"]
-    t.rounds.append((ttft["p50"] or 0.0, ttft["p99"] or 0.0, result.users_tokens_per_s() or 0.0))
-
-
-def _sub(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
-
-
-def _diffs(t: Target, relay: Target | None, i: int) -> list[float]:
-    """Per round: t's figure `i` minus the relay's in the same round (none for the baselines)."""
-    if relay is None or t is relay or t.pid is None:
-        return []
-    return [a[i] - b[i] for a, b in zip(t.rounds, relay.rounds, strict=True)]
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def _interval(xs: list[float]) -> list[float] | None:
-    """Bootstrap 95% interval of the median of `xs` (resampling rounds)."""
-    if len(xs) < 2:
-        return None
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(BOOTSTRAP))
-    return [meds[int(0.025 * BOOTSTRAP)], meds[int(0.975 * BOOTSTRAP) - 1]]
-
-
-def _row(t: Target, base: Target, relay: Target | None) -> dict[str, Any]:
-    s = t.summary
-    j = s.to_json()
-    b = base.summary.to_json()
-    d50, d99 = _diffs(t, relay, 0), _diffs(t, relay, 1)
-    tps = statistics.fmean(r[2] for r in t.rounds) if t.rounds else 0.0
-    base_tps = statistics.fmean(r[2] for r in base.rounds) if base.rounds else 0.0
-    return {
-        "target": t.name,
-        "ttft_p50_ms": j["ttft_ms"]["p50"],
-        "ttft_p99_ms": j["ttft_ms"]["p99"],
-        "added_ttft_p50_ms": _sub(j["ttft_ms"]["p50"], b["ttft_ms"]["p50"]),
-        "added_ttft_p99_ms": _sub(j["ttft_ms"]["p99"], b["ttft_ms"]["p99"]),
-        "vs_relay_ttft_p50_ms": _median(d50),
-        "vs_relay_ttft_p99_ms": _median(d99),
-        "vs_relay_ttft_p50_ci95_ms": _interval(d50),
-        "vs_relay_ttft_p99_ci95_ms": _interval(d99),
-        "rounds_ttft_p50_ms": [r[0] for r in t.rounds],
-        "rounds_ttft_p99_ms": [r[1] for r in t.rounds],
-        # Per token (chunk gap / tokens in it): comparable whether or not chunks were merged.
-        "itl_p50_ms": j["itl_token_ms"]["p50"],
-        "itl_p99_ms": j["itl_token_ms"]["p99"],
-        "tokens_per_chunk": j["tokens_per_chunk"],
-        "tokens_per_s": tps,
-        "tokens_per_s_vs_direct": tps / (base_tps or 1.0),
-        "cpu_s_per_1k_tokens": (t.cpu_s / s.output_tokens * 1000) if s.output_tokens else None,
-        "requests_ok": j["requests_ok"],
-        "requests_failed": j["requests_failed"],
-    }
 
 
 def _print(pace: str, start: str, concurrency: int, rows: list[dict[str, Any]]) -> None:
@@ -218,30 +119,10 @@ async def _bench_one(
     """One table: every target at one pace, start and concurrency, interleaved in rounds.
     `endpoints`: direct first, the bare relay second (the baselines); each table gets fresh
     tallies of them."""
-    itl_ms = PACED_ITL_MS if pace == "paced" else 0.0
-    # Staggered: users spread over one request's duration (TTFT + tokens x ITL).
-    ramp_s = (args.ttft_ms + args.max_tokens * itl_ms) / 1000 if start == "staggered" else 0.0
-    targets = [Target(e.name, e.url, e.pid, e.api_key) for e in endpoints]
-    requests = concurrency * args.requests_per_user
-    for t in targets:  # warm-up: connections, caches, JIT-free but lazy imports
-        await run_load(
-            t.url,
-            MODEL,
-            api_key=t.api_key,
-            concurrency=concurrency,
-            requests=concurrency,
-            max_tokens=8,
-            prompt_tokens=32,
-        )
-    for r in range(args.rounds):
-        order = targets[r % len(targets) :] + targets[: r % len(targets)]
-        for t in order:
-            print(
-                f"  {pace} {start} c={concurrency} round {r + 1}/{args.rounds} {t.name}",
-                flush=True,
-            )
-            await _run_target(t, concurrency, requests, args.max_tokens, ramp_s, args.round_s)
-    rows = [_row(t, targets[0], targets[1]) for t in targets]
+    targets = [e.fresh() for e in endpoints]
+    ramp_s = ramp_seconds(args, pace, start)
+    await run_rounds(args, f"{pace} {start} c={concurrency}", targets, concurrency, ramp_s)
+    rows = [row(t, targets[0], targets[1]) for t in targets]
     _print(pace, start, concurrency, rows)
     return {"pace": pace, "start": start, "concurrency": concurrency, "rows": rows}
 
@@ -294,6 +175,13 @@ def _starts(text: str) -> list[str]:
     return starts
 
 
+def _apis(text: str) -> list[str]:
+    apis = list(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    if not apis or any(a not in GATEWAYS for a in apis):
+        raise argparse.ArgumentTypeError(f"use any of {', '.join(GATEWAYS)}, comma-separated")
+    return apis
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -331,12 +219,25 @@ def main() -> None:
     p.add_argument(
         "--burn-us", type=float, default=0.0, help="add a relay spinning this CPU per request"
     )
+    p.add_argument(
+        "--api",
+        type=_apis,
+        default=None,
+        help="the per-API table for these APIs (chat,responses,messages): direct, bare relay, "
+        "tokenpipe native and translated\n(default: chat only, in the table of direct, "
+        "bare relay, tokenpipe and LiteLLM)",
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "overhead.json"))
     args = p.parse_args()
+    if args.api is not None and (args.features_off or args.burn_us):
+        p.error("--features-off and --burn-us add rows to the chat table (without --api)")
+    if args.api is not None and args.litellm == "auto":
+        print("--api: LiteLLM is not run (it has a row in the chat table, without --api)")
+    bench = _bench_pace if args.api is None else bench_apis
     install_uvloop()
     results: list[dict[str, Any]] = []
     for pace in args.pace.split(","):
-        results += asyncio.run(_bench_pace(pace, args))
+        results += asyncio.run(bench(pace, args))
     write_json(args.json, "overhead", args, results=results)
 
 

@@ -59,6 +59,33 @@ async def test_ttft_and_itl_match_the_sims_configured_timing(paced):
     assert s["e2e_ms"]["p50"] == pytest.approx(390, rel=0.05)
 
 
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_responses_and_messages_streams_are_timed_as_chat_streams_are(paced, api):
+    # The sim answers every API on the same schedule: 100 ms to the first token, 10 ms apart.
+    r = await run_load(paced.url + "/v1", "m", concurrency=2, requests=6, max_tokens=30, api=api)
+    s = r.summary().to_json()
+    assert s["requests_ok"] == 6 and s["requests_failed"] == 0, [x.error for x in r.records]
+    assert 100 <= s["ttft_ms"]["p50"] <= 150
+    assert s["itl_token_ms"]["p50"] == pytest.approx(10, rel=0.05)
+    assert {rec.usage_completion_tokens for rec in r.records} == {30}  # from the usage events
+    assert {len(rec.chunk_times) for rec in r.records} == {30}
+
+
+def test_cli_speaks_the_api_it_is_told_to(sim, tmp_path: Path):
+    out = tmp_path / "bench.json"
+    for api in ("responses", "messages"):
+        p = _bench(
+            *(sim.url + "/v1", "--api", api, "--requests", "4", "--concurrency", "2"),
+            *("--max-tokens", "5", "--json", str(out)),
+        )
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(out.read_text())
+        assert doc["summary"]["requests_ok"] == 4 and doc["summary"]["requests_failed"] == 0
+        assert {r["output_tokens"] for r in doc["requests"]} == {5}
+    p = _bench(sim.url + "/v1", "--api", "messages", "--protocol", "grpc")
+    assert p.returncode == 2 and "chat only" in p.stderr
+
+
 async def test_role_only_first_chunk_does_not_count_as_the_first_token(paced):
     # The sim sends a role-only chunk at once and the first content 100 ms later.
     r = await run_load(paced.url + "/v1", "m", concurrency=1, requests=2, max_tokens=5)

@@ -92,6 +92,13 @@ def _ints(text: str) -> list[int]:
     help="Client: SSE over HTTP/1.1, SSE over HTTP/2, or the gateway's gRPC stream.",
 )
 @click.option(
+    "--api",
+    type=click.Choice(["chat", "responses", "messages"]),
+    default="chat",
+    show_default=True,
+    help="The API to speak (sse and h2): chat completions, OpenAI Responses, Anthropic Messages.",
+)
+@click.option(
     "--compare",
     default=None,
     metavar="P1,P2",
@@ -185,6 +192,7 @@ def bench(
     prompts_file: str | None,
     max_tokens: int,
     protocol: str,
+    api: str,
     compare: str | None,
     h2c: bool,
     grpc_url: str | None,
@@ -205,7 +213,7 @@ def bench(
     """Load-test an OpenAI-compatible streaming endpoint with correct LLM latency metrics.
 
     \b
-    URL is a base URL (http://127.0.0.1:8000/v1) or the chat endpoint.
+    URL is a base URL (http://127.0.0.1:8000/v1) or the endpoint of --api.
     TTFT counts to the first content token; ITL is reported per token and per chunk;
     TPOT = (last - first token) / (tokens - 1); goodput counts requests within --slo.
     Examples:
@@ -242,6 +250,8 @@ def bench(
     for p in protocols:
         if p not in ("sse", "h2", "grpc"):
             raise click.UsageError(f"unknown protocol {p!r} in --compare")
+    if "grpc" in protocols and api != "chat":
+        raise click.UsageError("grpc speaks chat only (--api chat)")
     if "grpc" in protocols:
         try:
             grpc_modules()
@@ -277,6 +287,7 @@ def bench(
         h2c=h2c,
         grpc_url=grpc_url,
         timeout_s=timeout,
+        api=api,
     )
 
     if processes == 0:

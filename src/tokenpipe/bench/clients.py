@@ -6,13 +6,16 @@
   server answered with, so a fallback to HTTP/1.1 is reported, never hidden.
 - `grpc`: `tokenpipe.v1.Chat/ChatStream` with the generated code in `tokenpipe.front.grpc_gen`;
   `ProtocolUnavailable` until that module exists.
+
+`sse` and `h2` speak any API of `apis.py` (`api=`: chat, responses, messages): its endpoint,
+body, headers and stream recorder are chosen once per client, so a chat stream costs what it
+did before the other APIs existed. gRPC is chat only.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -20,8 +23,10 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
+from tokenpipe.bench import apis
+from tokenpipe.bench.apis import ChatRequest, Wire, api_url
 from tokenpipe.bench.metrics import RequestRecord
-from tokenpipe.bench.stream import StreamRecorder, server_phases_from_headers
+from tokenpipe.bench.stream import server_phases_from_headers
 
 PROTOCOLS = ("sse", "h2", "grpc")
 #: Bytes of an error body kept in a record (the rest is read and dropped).
@@ -32,29 +37,6 @@ READ_BUFFER = 2**20
 
 class ProtocolUnavailable(RuntimeError):
     """The protocol cannot be used here (a missing module); the message says why."""
-
-
-@dataclass(slots=True)
-class ChatRequest:
-    model: str
-    messages: list[dict[str, str]]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    #: Extra headers (e.g. x-sim-* for the sim); HTTP only.
-    headers: dict[str, str] = field(default_factory=dict)
-
-    def body(self) -> bytes:
-        obj: dict[str, Any] = {
-            "model": self.model,
-            "messages": self.messages,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self.max_tokens is not None:
-            obj["max_tokens"] = self.max_tokens
-        if self.temperature is not None:
-            obj["temperature"] = self.temperature
-        return orjson.dumps(obj)
 
 
 class Client(Protocol):
@@ -71,16 +53,7 @@ class Client(Protocol):
 
 def chat_url(url: str) -> str:
     """Accepts a base URL (`http://h:p`, `http://h:p/v1`) or the full endpoint."""
-    u = url.rstrip("/")
-    if u.endswith("/chat/completions"):
-        return u
-    if u.endswith("/v1"):
-        return u + "/chat/completions"
-    return u + "/v1/chat/completions"
-
-
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return api_url("chat", url)
 
 
 class SSEClient:
@@ -95,13 +68,10 @@ class SSEClient:
         timeout_s: float = 600.0,
         trace_configs: list[aiohttp.TraceConfig] | None = None,
         force_close: bool = False,
+        api: str = "chat",
     ) -> None:
-        self.url = chat_url(url)
-        self.headers = {
-            "Content-Type": "application/json",
-            "Accept": "text/event-stream",
-            **_auth(api_key),
-        }
+        self.wire = Wire(api, url, api_key)
+        self.url, self.headers = self.wire.url, self.wire.headers
         self.connections = connections
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=30)
         self.trace_configs = trace_configs
@@ -130,9 +100,9 @@ class SSEClient:
 
     async def send(self, req: ChatRequest, rec: RequestRecord) -> None:
         assert self.session is not None, "use `async with`"
-        body = req.body()
+        body = self.wire.body(req)
         headers = {**self.headers, **req.headers} if req.headers else self.headers
-        recorder = StreamRecorder(rec)
+        recorder = self.wire.recorder(rec)
         clock = time.perf_counter
         rec.sent_at = clock()
         try:
@@ -169,13 +139,10 @@ class H2Client:
         api_key: str | None = None,
         timeout_s: float = 600.0,
         h2c: bool = False,
+        api: str = "chat",
     ) -> None:
-        self.url = chat_url(url)
-        self.headers = {
-            "Content-Type": "application/json",
-            "Accept": "text/event-stream",
-            **_auth(api_key),
-        }
+        self.wire = Wire(api, url, api_key)
+        self.url, self.headers = self.wire.url, self.wire.headers
         self.connections = connections
         self.timeout_s = timeout_s
         self.h2c = h2c
@@ -214,12 +181,12 @@ class H2Client:
         import httpx
 
         headers = {**self.headers, **req.headers} if req.headers else self.headers
-        recorder = StreamRecorder(rec)
+        recorder = self.wire.recorder(rec)
         clock = time.perf_counter
         rec.sent_at = clock()
         try:
             async with self.client.stream(
-                "POST", self.url, content=req.body(), headers=headers
+                "POST", self.url, content=self.wire.body(req), headers=headers
             ) as resp:
                 rec.headers_at = clock()
                 rec.status = resp.status_code
@@ -349,9 +316,14 @@ def make_client(
     timeout_s: float = 600.0,
     h2c: bool = False,
     grpc_url: str | None = None,
+    api: str = "chat",
 ) -> Client:
+    """A client of `protocol` speaking `api` (apis.APIS; gRPC: chat only)."""
+    apis.check(api)
     if protocol == "sse":
-        return SSEClient(url, connections=connections, api_key=api_key, timeout_s=timeout_s)
+        return SSEClient(
+            url, connections=connections, api_key=api_key, timeout_s=timeout_s, api=api
+        )
     if protocol == "h2":
         return H2Client(
             url,
@@ -359,8 +331,11 @@ def make_client(
             api_key=api_key,
             timeout_s=timeout_s,
             h2c=h2c,
+            api=api,
         )
     if protocol == "grpc":
+        if api != "chat":
+            raise ValueError(f"grpc speaks chat only, not {api!r}")
         grpc_modules()  # fail early, with the reason
         return GrpcClient(grpc_target(grpc_url or url), api_key=api_key, timeout_s=timeout_s)
     raise ValueError(f"unknown protocol {protocol!r}: use one of {', '.join(PROTOCOLS)}")

@@ -119,8 +119,10 @@ async def run_load(
     timeout_s: float = 600.0,
     on_record: Callable[[RequestRecord], None] | None = None,
     ramp_s: float = 0.0,
+    api: str = "chat",
 ) -> RunResult:
-    """Send streaming chat requests to `url` and record each one.
+    """Send streaming requests to `url` in `api` (chat, responses or messages: apis.py) and
+    record each one.
 
     Closed loop (default): `concurrency` users, each sends its next request when the last ends.
     They start together, or with `ramp_s`, spread evenly over that many seconds (user k at
@@ -154,6 +156,7 @@ async def run_load(
             timeout_s=timeout_s,
             h2c=h2c,
             grpc_url=grpc_url,
+            api=api,
         )
     entered: list[Client] = []
     try:
