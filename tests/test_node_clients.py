@@ -115,13 +115,16 @@ def test_the_ai_sdk_and_the_anthropic_sdk_stream_through_make_runs_gateway(
 def test_the_ai_sdk_and_the_anthropic_sdk_stream_natively_through_the_gateway(
     sim: procs.Service, sim_gateway: procs.Service
 ) -> None:
-    """The sim answers 16 one-token deltas with the usage it counted: each SDK's own usage
+    """The sim answers 16 words, one a token, with the usage it counted: each SDK's own
     parsing must find them (the Responses and Messages events passed through unchanged)."""
     got = _run_clients(sim_gateway, "sim-model")
     with urllib.request.urlopen(sim.url + "/sim/stats?last=2", timeout=10) as r:
         kinds = [rec["kind"] for rec in json.load(r)["records"]]
     assert kinds == ["responses", "messages"]  # natively, not translated to chat
     _check(got, {"ai-sdk": {"length"}, "anthropic": {"max_tokens"}})
-    assert got["ai-sdk"]["deltas"] == got["ai-sdk"]["usage"]["outputTokens"] == 16
-    assert got["anthropic"]["deltas"] == got["anthropic"]["usage"]["output_tokens"] == 16
+    assert got["ai-sdk"]["usage"]["outputTokens"] == 16
+    assert got["anthropic"]["usage"]["output_tokens"] == 16
+    # One word a token; fewer deltas than words when a busy machine slows the reader
+    # (deltas merge), never fewer words.
+    assert len(got["ai-sdk"]["text"].split()) == 16
     assert got["ai-sdk"]["text"] == got["anthropic"]["text"]  # the sim's seeded words
