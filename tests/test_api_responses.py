@@ -1,7 +1,8 @@
 """POST /v1/responses through the gateway, with the official SDK as the client: passed through
 to an upstream that serves the Responses API (`upstreams[].responses: native`, the sim), and
-translated to and from chat completions for one that does not (the default: the sim's chat,
-the embedded model). Every event is checked against the SDK's types and the OpenAI spec."""
+translated to and from chat completions for one that does not (`responses: chat`: the sim's
+chat, the embedded model). Every event is checked against the SDK's types and the OpenAI spec.
+(`auto`, the default, is tests/test_responses_probe.py.)"""
 
 from __future__ import annotations
 
@@ -40,12 +41,20 @@ def native_gateway(sim: procs.Service, tmp_path_factory: pytest.TempPathFactory)
         yield g
 
 
+@pytest.fixture(scope="module")
+def chat_gateway(sim: procs.Service, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    cfg = tmp_path_factory.mktemp("chat") / "gw.yaml"
+    cfg.write_text(f"upstreams:\n  - {{name: upstream0, url: '{sim.url}/v1', responses: chat}}\n")
+    with procs.gateway("--config", str(cfg)) as g:
+        yield g
+
+
 @pytest.fixture(params=["native", "chat"])
 def way(
-    request: pytest.FixtureRequest, native_gateway: procs.Service, gateway: procs.Service
+    request: pytest.FixtureRequest, native_gateway: procs.Service, chat_gateway: procs.Service
 ) -> tuple[str, procs.Service]:
     """Each way a Responses request goes: (name, the gateway that sends it that way)."""
-    return request.param, native_gateway if request.param == "native" else gateway
+    return request.param, native_gateway if request.param == "native" else chat_gateway
 
 
 def _client(service: procs.Service) -> openai.OpenAI:
@@ -198,11 +207,11 @@ def test_function_tools_reach_the_upstream_and_their_calls_come_back(
 
 
 def test_a_function_call_and_its_output_are_sent_as_chat_tool_messages(
-    sim: procs.Service, gateway: procs.Service
+    sim: procs.Service, chat_gateway: procs.Service
 ) -> None:
     """The second turn of a tool loop: the sim's words follow the last message it was sent,
     so the same text as the chat request with the tool messages proves their translation."""
-    first = _client(gateway).responses.create(
+    first = _client(chat_gateway).responses.create(
         model="sim-model",
         input=QUESTION,
         tools=TOOLS,
@@ -216,7 +225,7 @@ def test_a_function_call_and_its_output_are_sent_as_chat_tool_messages(
         call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": output},
     ]
-    got = _client(gateway).responses.create(model="sim-model", input=turn, tools=TOOLS)  # type: ignore[arg-type]
+    got = _client(chat_gateway).responses.create(model="sim-model", input=turn, tools=TOOLS)  # type: ignore[arg-type]
     direct = _client(sim).chat.completions.create(
         model="sim-model",
         messages=[
@@ -367,11 +376,11 @@ async def test_a_stream_cut_by_shutdown_ends_with_the_responses_error_event(
     ],
 )
 def test_what_chat_cannot_express_is_a_400_naming_the_field(
-    gateway: procs.Service, extra: dict[str, Any], param: str
+    chat_gateway: procs.Service, extra: dict[str, Any], param: str
 ) -> None:
     body = {"model": "sim-model", "input": QUESTION, **extra}
     with pytest.raises(openai.BadRequestError) as e:
-        _client(gateway).post("/responses", cast_to=object, body=body)
+        _client(chat_gateway).post("/responses", cast_to=object, body=body)
     error = e.value.body
     assert isinstance(error, dict) and error["param"] == param, error
     assert param in error["message"]
@@ -430,12 +439,12 @@ def sample(samples: dict[str, float], name: str, **labels: str) -> float:
     return 0.0
 
 
-async def test_responses_are_counted_like_chat(gateway: procs.Service) -> None:
+async def test_responses_are_counted_like_chat(chat_gateway: procs.Service) -> None:
     labels = {"model": "sim-model", "upstream": "upstream0"}
-    before = await metrics(gateway)
-    _client(gateway).responses.create(model="sim-model", input=QUESTION)
-    await _stream(gateway, {"model": "sim-model", "input": QUESTION})
-    after = await metrics(gateway)
+    before = await metrics(chat_gateway)
+    _client(chat_gateway).responses.create(model="sim-model", input=QUESTION)
+    await _stream(chat_gateway, {"model": "sim-model", "input": QUESTION})
+    after = await metrics(chat_gateway)
     for name, extra, grew in [
         ("tokenpipe_requests_total", {"status": "200"}, 2),
         ("tokenpipe_tokens_total", {"kind": "completion"}, 40),  # 20 each, from usage

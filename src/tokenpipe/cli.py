@@ -205,7 +205,10 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
     extra = ("--default-max-tokens", str(cfg.local.default_max_tokens), "--log-level", log_level)
     try:
         with child.local_engine(extra_args=extra) as url:
-            cfg.upstreams = [settings_mod.upstream_from_url(url, 0)]
+            # It has no Responses API: /v1/responses is translated to chat, unasked.
+            local = settings_mod.upstream_from_url(url, 0)
+            local.responses = "chat"
+            cfg.upstreams = [local]
             # One model that runs one sequence at a time: a hedge would only queue behind
             # the request it hedges.
             cfg.tail.hedging.enabled = False
@@ -268,6 +271,11 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
     "status:429@0.01, reset:20@0.02. Kinds: status:CODE, stall-first:MS, "
     "stall:AFTER:MS, reset:AFTER, truncate:AFTER, garbage, hang-after-headers.",
 )
+@click.option(
+    "--no-responses",
+    is_flag=True,
+    help="Serve no /v1/responses (a 404), like a server without the Responses API.",
+)
 def sim(
     host: str,
     port: int,
@@ -282,6 +290,7 @@ def sim(
     tpm: float | None,
     bucket_seconds: float,
     fault_specs: tuple[str, ...],
+    no_responses: bool,
 ) -> None:
     """Run a simulated OpenAI-compatible upstream with exact, seeded timing and faults.
 
@@ -318,6 +327,7 @@ def sim(
             tpm=tpm,
             bucket_seconds=bucket_seconds,
             rated_faults=rated,
+            responses=not no_responses,
         )
         app = Sim(config).app()
     except ValueError as e:

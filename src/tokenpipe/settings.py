@@ -61,10 +61,12 @@ class UpstreamSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     #: The API it speaks: `openai` (chat, completions, responses, embeddings) or `anthropic`
     #: (Messages). On the command line: `--upstream anthropic+https://api.anthropic.com/v1`.
     api: Literal["openai", "anthropic"] = "openai"
-    #: How a client's /v1/responses request reaches this `openai` upstream: `chat` (translated
-    #: into a chat completion, for servers without the Responses API: llama.cpp, the local
-    #: model, most OpenAI-compatible servers) or `native` (passed through to its /responses).
-    responses: Literal["chat", "native"] = "chat"
+    #: How a client's /v1/responses request reaches this `openai` upstream: `native` (passed
+    #: through to its /responses), `chat` (translated into a chat completion, for servers
+    #: without the Responses API: llama.cpp, the local model, most OpenAI-compatible servers)
+    #: or `auto`: the upstream is asked once whether it has /responses (upstream/
+    #: responses_probe.py), native if so, else chat.
+    responses: Literal["auto", "chat", "native"] = "auto"
     #: The `anthropic-version` header sent to an `anthropic` upstream.
     anthropic_version: str = "2023-06-01"
     #: Name of the environment variable that holds this upstream's API key (never the key itself).

@@ -1,12 +1,12 @@
 """`POST /v1/responses`: the OpenAI Responses API, streamed or not.
 
 Which way a request goes is the upstreams' setting (`upstreams[].responses`): passed through
-to /responses when every upstream that serves the model is `native`, else translated into a
-chat completion (the default, `chat`: llama.cpp, the embedded model and most
-OpenAI-compatible servers have no Responses API), whose answer or stream is translated back
+to /responses when every upstream that serves the model has it (`native`, or `auto`, the
+default, and the upstream's answer to one probe said so: upstream/responses_probe.py), else
+translated into a chat completion (llama.cpp, the embedded model and most OpenAI-compatible
+servers have no Responses API), whose answer or stream is translated back
 (dialects/responses_chat.py). Translated requests are chat requests below this point, so
-context budgeting applies to them as to chat. A probe of the upstream (ask /responses once,
-remember a 404) could replace the setting later.
+context budgeting applies to them as to chat.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         gate = pace_gate(request.headers, opts.max_tokens_per_second if opts else None)
     kind: type[Any] = ResponsesRequest
     dialect: Dialect
-    if await _native(gw, req.model):
+    if await _native(gw, req.model, scope.left()):
         dialect = ResponsesDialect()  # per request: it numbers the gateway's own error event
     else:
         dialect = ResponsesViaChat(obj)
@@ -66,8 +66,14 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await respond(request, call, rid, bool(req.stream), gate)
 
 
-async def _native(gw: Gateway, model: str) -> bool:
+async def _native(gw: Gateway, model: str, limit: float) -> bool:
     """Every upstream that serves `model` serves /responses itself (a fallback to one that
-    does not would fail a native request: then all of them get chat)."""
-    upstreams = await gw.router.candidates(model, "openai")
-    return all(u.settings.responses == "native" for u in upstreams)
+    does not would fail a native request: then all of them get chat). An `auto` upstream not
+    yet asked is asked here, waiting at most `limit` seconds (the request's scope)."""
+    for u in await gw.router.candidates(model, "openai"):
+        native = u.serves_responses_now()  # known, almost always: no coroutine then
+        if native is None:
+            native = await u.serves_responses(limit)
+        if not native:
+            return False
+    return True

@@ -8,7 +8,9 @@ header, URL or key is forwarded (except the request id, which the gateway itself
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
 from typing import Any
 
@@ -20,6 +22,7 @@ from tokenpipe.errors import GatewayError
 from tokenpipe.settings import UpstreamSettings
 from tokenpipe.upstream import h1
 from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
+from tokenpipe.upstream.responses_probe import ResponsesProbe, verdict
 
 log = logging.getLogger("tokenpipe.upstream")
 
@@ -32,6 +35,8 @@ MODELS_TTL = 60.0
 MODELS_RETRY = 10.0
 #: Largest /models answer read (bytes); a larger one counts as no answer.
 MAX_MODELS_BYTES = 4 * 1024 * 1024
+#: Largest answer to the /responses probe read (bytes): an error body; a larger one is left.
+MAX_PROBE_BYTES = 64 * 1024
 #: The error code of an upstream whose bytes are broken (HTTP/1.1, SSE or JSON): not retried.
 PROTOCOL_ERROR = "upstream_protocol_error"
 #: How long an idle upstream connection is kept for the next request (seconds).
@@ -68,6 +73,7 @@ class HttpUpstream:
         self._models_at = 0.0
         self._models_failed_at = -MODELS_RETRY
         self._models_lock = asyncio.Lock()  # one /models request at a time (a cold burst)
+        self._responses = ResponsesProbe(self._ask_responses)
 
     @property
     def pool(self) -> h1.Pool:
@@ -161,6 +167,52 @@ class HttpUpstream:
         except (TimeoutError, UpstreamError, GatewayError, orjson.JSONDecodeError):
             log.warning("upstream %s: could not list its models", self.name)
             return None
+
+    def serves_responses_now(self) -> bool | None:
+        """`serves_responses()` when it is known without asking the upstream, else None."""
+        mode = self.settings.responses
+        if mode != "auto":
+            return mode == "native"
+        return self._responses.now()
+
+    async def serves_responses(self, limit: float = math.inf) -> bool:
+        """Does a /v1/responses request pass through to its /responses (`responses:
+        native`, or `auto` and the probe found the route)? Waits at most `limit` seconds
+        (and at most responses_probe.TIMEOUT) when the upstream must be asked."""
+        known = self.serves_responses_now()
+        if known is not None:
+            return known
+        return await self._responses.served(limit)
+
+    async def _ask_responses(self, timeout: float) -> int | None:
+        """POST /responses `{}` (responses_probe.py): the status of the answer, None when none
+        came within `timeout` seconds."""
+        head = self._head("POST", "/responses", _ACCEPT_POST) + b"content-length: 2\r\n\r\n"
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self.pool.request(head, b"{}", timeout)
+                try:
+                    # Read, so the connection goes back to the pool; the body says nothing more.
+                    with contextlib.suppress(GatewayError, UpstreamError):
+                        await read_bounded(resp, MAX_PROBE_BYTES)
+                finally:
+                    resp.close()
+        except (TimeoutError, UpstreamError) as e:
+            log.warning(
+                "upstream %s: no answer to POST /responses (%s): /v1/responses translated to "
+                "chat for now",
+                self.name,
+                type(e).__name__,
+            )
+            return None
+        way = {True: "passed through", False: "translated to chat", None: "chat for now"}
+        log.info(
+            "upstream %s: POST /responses answered %d: /v1/responses %s",
+            self.name,
+            resp.status,
+            way[verdict(resp.status)],
+        )
+        return resp.status
 
     async def serves(self, model: str) -> bool:
         known = self.serves_now(model)

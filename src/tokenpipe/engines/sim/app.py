@@ -343,7 +343,8 @@ class Sim:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
-        app.router.add_post("/v1/responses", self.responses)
+        if self.config.responses:
+            app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/sim/stats", self.stats)

@@ -44,6 +44,8 @@ class SimConfig:
     #: Depth of the RPM/TPM buckets in seconds of refill (60: a full minute's allowance).
     bucket_seconds: float = 60.0
     rated_faults: list[tuple[Fault, float]] = field(default_factory=list)
+    #: Serve /v1/responses (off: a 404 there, like the many servers without that API).
+    responses: bool = True
 
 
 def request_timing(
