@@ -41,12 +41,13 @@ TARGET_MS = 1.0
 
 
 def _start_gateway(kind: str, sim_url: str) -> Service:
-    if kind == "openai":
-        return gateway(sim_url)
     if kind == "anthropic":
         return gateway("anthropic+" + sim_url)
-    config = f"upstreams:\n  - {{name: sim, url: '{sim_url}/v1', responses: native}}\n"
-    return gateway_with("overhead-responses-native", config)
+    # The sim serves /v1/responses, so `responses: auto` (the default) would pass it through:
+    # the OpenAI gateway is pinned to translating it to chat.
+    mode = "native" if kind == "responses-native" else "chat"
+    config = f"upstreams:\n  - {{name: sim, url: '{sim_url}/v1', responses: {mode}}}\n"
+    return gateway_with(f"overhead-responses-{mode}", config)
 
 
 async def bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any]]:
