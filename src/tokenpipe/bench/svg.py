@@ -219,8 +219,10 @@ def bars(
     labels: bool = True,
     height: int = H,
     css_class: str = "plot",
+    label_rows: int = 16,
 ) -> str:
-    """Horizontal spans (label, start, end, color), one row each: a timeline or a waterfall."""
+    """Horizontal spans (label, start, end, color), one row each: a timeline or a waterfall.
+    Each span is labelled with its row and length when there are at most `label_rows` rows."""
     spans = list(spans)[:max_rows]
     if not spans:
         return _empty(title, plot_id, height, css_class)
@@ -238,7 +240,7 @@ def bars(
             f'fill="{color}" data-row="{escape(label)}">'
             f"<title>{escape(label)}: {start:.1f}-{end:.1f}</title></rect>"
         )
-        if labels and n <= 16:
+        if labels and n <= label_rows:
             f.add(
                 f'<text x="{f.sx(end) + 4:.1f}" y="{y + h / 2 + 4:.1f}" class="a">'
                 f"{escape(label)} {end - start:.1f}</text>"
