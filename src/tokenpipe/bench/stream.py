@@ -78,7 +78,8 @@ def server_timing(value: str, into: dict[str, float]) -> None:
 
 
 def _server_phases_from_comment(text: bytes, into: dict[str, float]) -> None:
-    """`: tokenpipe queue_ms=3.1 prefill_ms=40 decode_ms=900` -> {queue: 3.1, ...}."""
+    """`: tokenpipe queue_ms=3.1 prefill_ms=40 decode_ms=900` -> {queue: 3.1, ...}: an engine's
+    phases, or a gateway's at the end of a stream (first_token_ms, max_gap_ms, total_ms)."""
     if not text.startswith(b"tokenpipe "):
         return
     for item in text[10:].split():

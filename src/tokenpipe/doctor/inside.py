@@ -74,13 +74,18 @@ class Row(NamedTuple):
     end: float
 
 
-def derive(ph: dict[str, float]) -> None:
-    """Adds `server_upstream_first_token` where the gateway said both its first token and
-    the phases before it."""
+def derive(ph: dict[str, float]) -> dict[str, float]:
+    """`ph` with `server_upstream_first_token` after `server_upstream_headers`, where the
+    gateway said both its first token and the phases before it."""
     first = ph.get("server_first_token")
     if first is None or "server_upstream_headers" not in ph:
-        return
-    ph[UPSTREAM_FIRST.key] = round(max(0.0, first - gateway_ms(ph)), 3)
+        return ph
+    out = {}
+    for k, v in ph.items():
+        out[k] = v
+        if k == "server_upstream_headers":
+            out[UPSTREAM_FIRST.key] = round(max(0.0, first - gateway_ms(ph)), 3)
+    return out
 
 
 def gateway_ms(ph: dict[str, float]) -> float:

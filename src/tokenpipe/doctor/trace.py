@@ -79,8 +79,7 @@ class TracedRequest:
         for k in SERVER_PHASES:
             if k in r.server_ms:
                 res["server_" + k] = round(r.server_ms[k], 3)
-        inside.derive(res)
-        return res
+        return inside.derive(res)
 
 
 def _span(m: dict[str, float], a: str, b: str) -> float:
