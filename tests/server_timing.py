@@ -12,6 +12,7 @@ set, in their order, each once, each with exactly one `dur` in ms with at most 3
 from __future__ import annotations
 
 import re
+from typing import Any
 
 #: The header's names, in the order the gateway writes them.
 NAMES = (
@@ -66,3 +67,12 @@ def stream_end(comment: bytes) -> dict[str, float]:
 def _ms(text: str, name: str) -> float:
     assert _MS.fullmatch(text), f"{name}: dur {text!r} is not ms with at most 3 decimals"
     return float(text)
+
+
+def timing_comment(ev: Any) -> bool:
+    """True for the gateway's end-of-stream timing comment (checked strictly), False for an
+    event; any other comment fails (for tests whose streams hold nothing but events)."""
+    if not ev.comment:
+        return False
+    stream_end(ev.data)
+    return True
