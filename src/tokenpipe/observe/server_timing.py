@@ -55,6 +55,12 @@ def _ms(seconds: float) -> str:
     return f"{max(0.0, seconds) * 1000.0:.3f}"
 
 
+#: The header when every phase up to the upstream's headers ran (the usual case: one format).
+_RAN = (
+    "edge;dur=%.3f, admission;dur=%.3f, context;dur=%.3f, queue;dur=%.3f, upstream_headers;dur=%.3f"
+)
+
+
 class Timing:
     """The marks of one request. A mark of 0.0 is a phase that did not run (or not yet)."""
 
@@ -65,12 +71,38 @@ class Timing:
         self.opened = 0.0  # the pipeline took the request (end of edge)
         self.admitted = 0.0  # end of admission
         self.prepared = 0.0  # end of context budgeting
-        self.queue = -1.0  # seconds (router clock), once the route opened
+        self.queue = -1.0  # seconds (router clock), once the route opened (after the above)
         self.upstream_headers = -1.0
 
     def header(self, end: float = 0.0, engine: Mapping[str, str] | None = None) -> str:
         """The header's value: the phases that ran, the engine's (from its response headers)
         and `total` up to `end` (0: none, a stream whose end is not known yet)."""
+        started = self.started
+        if self.queue >= 0.0:  # the route opened: every phase before it ran
+            opened, admitted = self.opened, self.admitted
+            value = _RAN % (
+                (opened - started) * 1000.0,
+                (admitted - opened) * 1000.0,
+                (self.prepared - admitted) * 1000.0,
+                self.queue * 1000.0,
+                self.upstream_headers * 1000.0,
+            )
+        else:
+            value = self._partial()
+        if engine is not None:
+            for header, name in ENGINE_HEADERS:
+                raw = engine.get(header)
+                if raw is not None:
+                    ms = _engine_ms(raw)
+                    if ms is not None:
+                        value += f", {name};dur={ms:.3f}" if value else f"{name};dur={ms:.3f}"
+        if end:
+            total = "total;dur=" + _ms(end - started)
+            value = f"{value}, {total}" if value else total
+        return value
+
+    def _partial(self) -> str:
+        """The phases of a request that stopped before its route opened (an error)."""
         out = []
         if self.opened:
             out.append("edge;dur=" + _ms(self.opened - self.started))
@@ -78,30 +110,19 @@ class Timing:
                 out.append("admission;dur=" + _ms(self.admitted - self.opened))
                 if self.prepared:
                     out.append("context;dur=" + _ms(self.prepared - self.admitted))
-        if self.queue >= 0.0:
-            out.append("queue;dur=" + _ms(self.queue))
-            out.append("upstream_headers;dur=" + _ms(self.upstream_headers))
-        if engine is not None:
-            for header, name in ENGINE_HEADERS:
-                value = engine.get(header)
-                if value is not None:
-                    ms = _engine_ms(value)
-                    if ms is not None:
-                        out.append(f"{name};dur={ms:.3f}")
-        if end:
-            out.append("total;dur=" + _ms(end - self.started))
         return ", ".join(out)
 
     def stream_end(self, first_token_at: float | None, max_gap: float, end: float) -> bytes:
         """The end-of-stream SSE comment (one event, ends with a blank line)."""
-        first = (
-            ""
-            if first_token_at is None
-            else f"first_token_ms={_ms(first_token_at - self.started)} "
+        total = (end - self.started) * 1000.0
+        if first_token_at is None:
+            return b": tokenpipe max_gap_ms=%.3f total_ms=%.3f\n\n" % (max_gap * 1000.0, total)
+        first = (first_token_at - self.started) * 1000.0
+        return b": tokenpipe first_token_ms=%.3f max_gap_ms=%.3f total_ms=%.3f\n\n" % (
+            first,
+            max_gap * 1000.0,
+            total,
         )
-        return (
-            f": tokenpipe {first}max_gap_ms={_ms(max_gap)} total_ms={_ms(end - self.started)}\n\n"
-        ).encode()
 
 
 def _engine_ms(value: str) -> float | None:
