@@ -13,6 +13,8 @@ from html import escape
 
 W, H = 640, 300
 PAD_L, PAD_R, PAD_T, PAD_B = 64, 16, 30, 44
+#: About the width of one character of a bar's label (class "a", 10 px).
+_LABEL_PX = 5.5
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4b5563")
 
 
@@ -241,9 +243,13 @@ def bars(
             f"<title>{escape(label)}: {start:.1f}-{end:.1f}</title></rect>"
         )
         if labels and n <= label_rows:
+            text = f"{label} {end - start:.1f}"
+            x, anchor = f.sx(end) + 4, ""
+            # Past the right edge it would be cut off: before the bar instead, if it fits.
+            if x + _LABEL_PX * len(text) > W and f.sx(start) - 4 > PAD_L + _LABEL_PX * len(text):
+                x, anchor = f.sx(start) - 4, ' text-anchor="end"'
             f.add(
-                f'<text x="{f.sx(end) + 4:.1f}" y="{y + h / 2 + 4:.1f}" class="a">'
-                f"{escape(label)} {end - start:.1f}</text>"
+                f'<text x="{x:.1f}" y="{y + h / 2 + 4:.1f}" class="a"{anchor}>{escape(text)}</text>'
             )
     return f.render()
 
