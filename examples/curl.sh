@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stream a chat completion from tokenpipe with curl (server-sent events, one `data:` line per
-# chunk, ending with `data: [DONE]`).
+# chunk, ending with `data: [DONE]`; the comment line before it, `: tokenpipe first_token_ms=...`,
+# is the gateway's Server-Timing for the stream: docs/observability.md).
 #
 #   TOKENPIPE_URL=http://127.0.0.1:8000/v1 bash examples/curl.sh "Say hello"
 #

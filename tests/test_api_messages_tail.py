@@ -26,6 +26,7 @@ from pydantic import TypeAdapter
 from tests import procs
 from tests.polling import metrics as _metrics
 from tests.polling import until as _until
+from tests.server_timing import timing_comment
 from tests.sse_client import unchunk
 from tokenpipe import sse
 from tokenpipe.engines.sim import text as sim_text
@@ -72,6 +73,8 @@ def _text_events(raw: bytes) -> tuple[str, int]:
     SDK's types, merged ones included, and all of block 0."""
     text, events = "", 0
     for ev in sse.SSEDecoder().feed(unchunk(raw)):
+        if timing_comment(ev):  # the gateway's Server-Timing, its only comment
+            continue
         obj = orjson.loads(ev.data)
         assert ev.event == obj["type"]
         if obj["type"] == "ping":
@@ -221,6 +224,8 @@ def test_hedging_bounds_a_stalled_first_token(tmp_path: Path) -> None:
             dec = sse.SSEDecoder()
             for chunk in r.iter_bytes():
                 for ev in dec.feed(chunk):
+                    if timing_comment(ev):  # the gateway's Server-Timing, its only comment
+                        continue
                     obj = orjson.loads(ev.data)
                     if ttft is None and obj["type"] == "content_block_delta":
                         ttft = time.perf_counter() - t0

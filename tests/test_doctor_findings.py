@@ -92,3 +92,43 @@ def test_streams_served_one_after_another_are_named_queueing():
     assert f.kind == "queueing" and "1 of 2" in f.evidence
     together = [_rec(0.1, n=10), _rec(0.12, n=10)]
     assert find_serialised(HolProbe(together, "2 HTTP/1.1 connections", False)) == []
+
+
+def test_a_gateways_phases_split_a_slow_first_token_and_are_placed_where_they_ran():
+    from tokenpipe.doctor import inside
+
+    gateway = {
+        "server_edge": 0.5,
+        "server_admission": 0.1,
+        "server_context": 0.4,
+        "server_limiter_wait": 600.0,
+        "server_upstream_headers": 2.0,
+        "server_first_token": 903.0,
+    }
+    ph = inside.derive(
+        _phases(connect=1.0, request_sent=1.0, headers=604.0, first_token=301.0, **gateway)
+    )
+    assert ph["server_upstream_first_token"] == 300.0  # 903 less the 603 before it
+    assert (
+        list(ph).index("server_upstream_first_token")
+        == list(ph).index("server_upstream_headers") + 1
+    )
+    [f] = F.find_slow_first_token([_rec(0.907)], [ph], F.Thresholds())
+    assert (
+        "of it: network and client 2 ms, gateway 601 ms (largest: queue 600 ms), upstream 302 ms"
+        in f.evidence
+    )
+    [q] = F.find_queueing([_rec(0.907)], [ph], F.Thresholds())
+    assert "gateway queue 600 ms" in q.evidence
+    rows = {r.spec.label: (r.start, r.end) for r in inside.rows(ph)}
+    assert rows["gateway edge"] == (2.0, 2.5)  # from the request written
+    assert rows["gateway queue"] == (3.0, 603.0)
+    assert rows["upstream first token"] == (605.0, 905.0)
+    assert inside.largest_gateway_phase(ph) == ("gateway queue", 600.0)
+    # An engine behind it: its phases start where the gateway sent the request.
+    ph |= {"server_queue": 100.0, "server_prefill": 150.0}
+    rows = {r.spec.label: (r.start, r.end) for r in inside.rows(ph)}
+    assert rows["engine queue"] == (603.0, 703.0)
+    assert rows["engine prefill"] == (703.0, 853.0)
+    # Without Server-Timing nothing is drawn and nothing split.
+    assert inside.rows(_phases()) == [] and inside.first_token_split(_phases()) is None

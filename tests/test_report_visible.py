@@ -1,6 +1,8 @@
 """Every run is visible in the bench and doctor HTML reports: the screenshots headless Chromium
 takes show each run's colour inside each histogram and a timeline panel per run with its
-decoding bars, and the doctor's probe plot has a row per stream. Real runs against the sim.
+decoding bars, the doctor's probe plot has a row per stream, and through a gateway the
+doctor's waterfall draws the gateway's own phases (Server-Timing) where and as long as they
+ran. Real runs against the sim.
 """
 
 from __future__ import annotations
@@ -8,11 +10,12 @@ from __future__ import annotations
 import html
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests import png
+from tests import png, procs
 from tests.test_bench_html import CHROMIUM, _run, render
 
 pytestmark = pytest.mark.skipif(
@@ -108,3 +111,81 @@ def test_doctor_report_shows_every_stream_of_the_probe(sim, out_dir: Path):
         assert seen >= 20, f"stream {i}: {seen} decoding pixels on screen"
     waterfall = dom.split('id="plot-waterfall"', 1)[1].split("</svg>", 1)[0]
     assert len(set(re.findall(r'data-row="([^"]+)"', waterfall))) == 8
+
+
+#: The doctor's colours of the gateway's queue and of the upstream's first token
+#: (tokenpipe.doctor.inside).
+GATEWAY_QUEUE, UPSTREAM_FIRST = "#db2777", "#854d0e"
+_RECT = re.compile(
+    r'<rect x="([\d.]+)" y="[\d.]+" width="([\d.]+)" height="[\d.]+" fill="[^"]+" '
+    r'data-row="([^"]+)"'
+)
+
+
+@pytest.fixture(scope="module")
+def queued(tmp_path_factory: pytest.TempPathFactory) -> Iterator[procs.Service]:
+    """A gateway letting one request a second through to a sim with a 300 ms TTFT: every
+    traced request after the first waits in the gateway's queue, then for the sim."""
+    with procs.sim("--ttft-ms", "300", "--itl-ms", "2", "--output-tokens", "20") as sim:
+        cfg = tmp_path_factory.mktemp("queued") / "gw.yaml"
+        cfg.write_text(
+            f"upstreams:\n  - {{name: sim, url: '{sim.url}/v1'}}\n"
+            "limits:\n  upstreams:\n    sim: {rpm: 60, bucket_seconds: 1}\n"
+        )
+        with procs.gateway("--config", str(cfg)) as g:
+            yield g
+
+
+def test_doctor_draws_the_gateways_phases_inside_its_waterfall(
+    queued: procs.Service, out_dir: Path
+) -> None:
+    page, doc = out_dir / "doctor-gateway.html", out_dir / "doctor-gateway.json"
+    _run(
+        "doctor",
+        queued.url + "/v1",
+        "--requests",
+        "3",
+        "--sweep",
+        "",
+        "--streams",
+        "0",
+        "--max-tokens",
+        "20",
+        "--html",
+        str(page),
+        "--json",
+        str(doc),
+    )
+    ph = json.loads(doc.read_text())["phases_ms"]  # the shown (median) request's
+    assert ph["server_limiter_wait"] > 300  # it waited for the one request a second
+    assert ph["server_upstream_first_token"] == pytest.approx(300, abs=60)  # the sim's TTFT
+    dom, boxes, img = _shot(page, out_dir / "doctor-gateway.png")
+    waterfall = dom.split('id="plot-waterfall"', 1)[1].split("</svg>", 1)[0]
+    rects = {row: (float(x), float(w)) for x, w, row in _RECT.findall(waterfall)}
+    rows = ["gateway edge", "gateway admission", "gateway context", "gateway queue"]
+    for row in [*rows, "upstream headers", "upstream first token"]:
+        assert row in rects, sorted(rects)
+        assert f">{row} " in waterfall  # labelled with its ms
+    # One scale for the client's phases and the gateway's: widths are proportional to ms.
+    px = rects["headers"][1] / ph["headers"]
+    queue_x, queue_w = rects["gateway queue"]
+    first_x, first_w = rects["upstream first token"]
+    assert queue_w == pytest.approx(ph["server_limiter_wait"] * px, rel=0.03, abs=1)
+    assert first_w == pytest.approx(ph["server_upstream_first_token"] * px, rel=0.03, abs=1)
+    # Placed where they ran: the queue inside the client's wait for headers (the gateway's
+    # phases before it take well under a pixel), the upstream's first token after it, where
+    # the client's own first_token phase starts.
+    assert queue_x == pytest.approx(rects["headers"][0], abs=2)
+    assert first_x == pytest.approx(rects["first_token"][0], abs=3)
+    # On screen, in their colours and proportions.
+    x, y, w, h = boxes["plot-waterfall"]
+    area = (x + PAD_L, y + PAD_T, w - PAD_L, h - PAD_T - PAD_B)
+    queue_px = img.count(GATEWAY_QUEUE, area, tolerance=8)
+    first_px = img.count(UPSTREAM_FIRST, area, tolerance=8)
+    assert queue_px >= 300 and first_px >= 150, (queue_px, first_px)
+    assert queue_px / first_px == pytest.approx(queue_w / first_w, rel=0.15)
+    assert len((out_dir / "doctor-gateway.png").read_bytes()) > 30_000
+    # The summary and the findings name the gateway's biggest phase.
+    text = html.unescape(dom)
+    assert "inside the gateway, queue (" in text
+    assert "gateway queue" in text and "(largest: queue" in text

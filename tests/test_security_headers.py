@@ -228,5 +228,10 @@ async def test_cors_allows_only_the_configured_origins_streams_included(
         ok = await post_stream(url, body, headers={"Origin": "http://app.example"})
         assert ok.done and ok.headers["Access-Control-Allow-Origin"] == "http://app.example"
         assert "x-request-id" in ok.headers["Access-Control-Expose-Headers"]
+        # The page (and its devtools) may read the phases: exposed, and timing allowed.
+        assert "server-timing" in ok.headers["Access-Control-Expose-Headers"]
+        assert ok.headers["Timing-Allow-Origin"] == "http://app.example"
+        assert "Server-Timing" in ok.headers
         other = await post_stream(url, body, headers={"Origin": "http://evil.example"})
         assert "Access-Control-Allow-Origin" not in other.headers
+        assert "Timing-Allow-Origin" not in other.headers

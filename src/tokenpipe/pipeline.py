@@ -28,6 +28,7 @@ from tokenpipe.dialects.chat_via_messages import ChatViaMessages
 from tokenpipe.dialects.messages_via_chat import MessagesViaChat
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
+from tokenpipe.observe.server_timing import Timing
 from tokenpipe.relay.buffer import WriteNow
 from tokenpipe.relay.events import EventParser
 from tokenpipe.relay.stream import Emit, relay_stream
@@ -113,13 +114,18 @@ class Gateway:
         scope: Scope | None = None,
         pace: float | None = None,
         dialect: Dialect | None = None,
+        timing: Timing | None = None,
     ) -> Call:
         """Sends the request upstream; returns once the upstream's headers arrived.
 
         `obj` is the request as the client sent it; `body` its bytes, forwarded unchanged
         unless a hop below must change the request. `pace`: tokens per second the client
         asked for (the upstream is told, so a generating engine can slow down too).
-        `dialect`: the API of the request's events and its upstreams (default: `kind`'s)."""
+        `dialect`: the API of the request's events and its upstreams (default: `kind`'s).
+        `timing`: where the phases' marks go (Server-Timing; the front's, to answer errors)."""
+        if timing is None:
+            timing = Timing(started)
+        timing.opened = now()
         if scope is None:
             scope = self.scope(headers)
         # The key's quota first: an over-quota key costs nothing more (no token counting, no
@@ -127,9 +133,10 @@ class Gateway:
         output = (dialect or DIALECTS[kind]).output
         admit = self.traffic.admit(key, obj, scope, output=output)
         ticket = await _within(scope, admit, "admission")
+        timing.admitted = now()
         try:
             return await self._open(
-                kind, req, obj, body, ticket, request_id, started, headers, pace, dialect
+                kind, req, obj, body, ticket, request_id, started, headers, pace, dialect, timing
             )
         except BaseException:
             ticket.finish()
@@ -147,6 +154,7 @@ class Gateway:
         headers: Mapping[str, str],
         pace: float | None,
         dialect: Dialect | None,
+        timing: Timing,
     ) -> Call:
         scope = ticket.scope
         ctx = await _within(
@@ -182,12 +190,17 @@ class Gateway:
             prompt_tokens=ticket.cost.prompt,
             pace=pace,
         )
+        timing.prepared = now()
+        clock = self.policy.clock  # the router's: its send time is on it
+        routing = clock.now()
         # Limiter wait, deadlines, retries, hedging, fallbacks, circuit breaking (router/).
         route = await open_route(self.policy, request, ticket)
+        timing.upstream_headers = clock.now() - route.sent_at
+        timing.queue = route.sent_at - routing
         try:
             tally = StreamTally(route.upstream.name, req.model, started)
             parser = EventParser(tally, strip_usage, dialect.for_stream())
-            return Call(route, tally, ticket, ctx, parser)
+            return Call(route, tally, ticket, ctx, parser, timing)
         except BaseException:  # no Call to close it: the route ends here
             route.close()
             raise
@@ -209,7 +222,7 @@ async def _within(scope: Scope, step: Awaitable[T], where: str) -> T:
 class Call:
     """One upstream call in flight. `close(status)` must run exactly once, whatever happens."""
 
-    __slots__ = ("ctx", "gauge", "parser", "route", "tally", "ticket")
+    __slots__ = ("ctx", "gauge", "parser", "route", "tally", "ticket", "timing")
 
     def __init__(
         self,
@@ -218,6 +231,7 @@ class Call:
         ticket: Ticket,
         ctx: ContextOutcome,
         parser: EventParser | None = None,
+        timing: Timing | None = None,
     ) -> None:
         #: The upstream answer and everything sent for it (hedges, retries, continuations).
         self.route = route
@@ -225,6 +239,8 @@ class Call:
         self.ticket = ticket
         self.ctx = ctx
         self.parser = parser
+        #: The request's phase marks (Server-Timing).
+        self.timing = timing if timing is not None else Timing(tally.started_at)
         self.gauge = metrics.child(metrics.INFLIGHT, *tally.labels)
         self.gauge.inc()
 

@@ -32,6 +32,19 @@ SERVER_HEADERS = {
     "x-tokenpipe-prefill-ms": "prefill",
     "x-tokenpipe-decode-ms": "decode",
 }
+#: A tokenpipe gateway's Server-Timing names -> the phase names above and its own (the
+#: gateway's queue is the limiter wait; the engine's queue behind it keeps the name `queue`).
+SERVER_TIMING = {
+    "edge": "edge",
+    "admission": "admission",
+    "context": "context",
+    "queue": "limiter_wait",
+    "upstream_headers": "upstream_headers",
+    "upstream_queue": "queue",
+    "prefill": "prefill",
+    "decode": "decode",
+    "total": "total",
+}
 
 
 def server_phases_from_headers(headers: Any, into: dict[str, float]) -> None:
@@ -42,10 +55,31 @@ def server_phases_from_headers(headers: Any, into: dict[str, float]) -> None:
                 into[phase] = float(v)
             except ValueError:
                 pass
+    timing = headers.get("server-timing")
+    if timing:
+        server_timing(timing, into)
+
+
+def server_timing(value: str, into: dict[str, float]) -> None:
+    """The `dur` of each known metric of a Server-Timing value (`name;dur=1.5, ...`), by the
+    phase names of SERVER_TIMING; other metrics and malformed entries are skipped."""
+    for metric in value.split(","):
+        name, *params = metric.split(";")
+        phase = SERVER_TIMING.get(name.strip())
+        if phase is None:
+            continue
+        for param in params:
+            k, sep, v = param.partition("=")
+            if sep and k.strip() == "dur":
+                try:
+                    into[phase] = float(v.strip().strip('"'))
+                except ValueError:
+                    pass
 
 
 def _server_phases_from_comment(text: bytes, into: dict[str, float]) -> None:
-    """`: tokenpipe queue_ms=3.1 prefill_ms=40 decode_ms=900` -> {queue: 3.1, ...}."""
+    """`: tokenpipe queue_ms=3.1 prefill_ms=40 decode_ms=900` -> {queue: 3.1, ...}: an engine's
+    phases, or a gateway's at the end of a stream (first_token_ms, max_gap_ms, total_ms)."""
     if not text.startswith(b"tokenpipe "):
         return
     for item in text[10:].split():

@@ -13,6 +13,8 @@ from html import escape
 
 W, H = 640, 300
 PAD_L, PAD_R, PAD_T, PAD_B = 64, 16, 30, 44
+#: About the width of one character of a bar's label (class "a", 10 px).
+_LABEL_PX = 5.5
 COLORS = ("#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4b5563")
 
 
@@ -219,8 +221,10 @@ def bars(
     labels: bool = True,
     height: int = H,
     css_class: str = "plot",
+    label_rows: int = 16,
 ) -> str:
-    """Horizontal spans (label, start, end, color), one row each: a timeline or a waterfall."""
+    """Horizontal spans (label, start, end, color), one row each: a timeline or a waterfall.
+    Each span is labelled with its row and length when there are at most `label_rows` rows."""
     spans = list(spans)[:max_rows]
     if not spans:
         return _empty(title, plot_id, height, css_class)
@@ -238,10 +242,14 @@ def bars(
             f'fill="{color}" data-row="{escape(label)}">'
             f"<title>{escape(label)}: {start:.1f}-{end:.1f}</title></rect>"
         )
-        if labels and n <= 16:
+        if labels and n <= label_rows:
+            text = f"{label} {end - start:.1f}"
+            x, anchor = f.sx(end) + 4, ""
+            # Past the right edge it would be cut off: before the bar instead, if it fits.
+            if x + _LABEL_PX * len(text) > W and f.sx(start) - 4 > PAD_L + _LABEL_PX * len(text):
+                x, anchor = f.sx(start) - 4, ' text-anchor="end"'
             f.add(
-                f'<text x="{f.sx(end) + 4:.1f}" y="{y + h / 2 + 4:.1f}" class="a">'
-                f"{escape(label)} {end - start:.1f}</text>"
+                f'<text x="{x:.1f}" y="{y + h / 2 + 4:.1f}" class="a"{anchor}>{escape(text)}</text>'
             )
     return f.render()
 

@@ -171,7 +171,8 @@ def doctor(
 
     \b
     Waterfall: dns, connect, tls, request_sent, headers, first_token, decode, tail
-    (+ server_queue/limiter_wait/prefill/decode when the server reports them).
+    (+ the server's own phases when it reports them: a tokenpipe gateway's
+    Server-Timing, drawn inside the waterfall, and an engine's queue/prefill/decode).
     Findings: stall, slow_first_token, chunking, queueing, slow_dns, slow_tls,
     hol_blocking, superlinear_output_scaling, each with its evidence.
     To see a finding on purpose, inject it at the sim itself (not through a gateway,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from tokenpipe.bench.metrics import RequestRecord
+from tokenpipe.doctor import inside
 
 KINDS = (
     "stall",
@@ -51,6 +52,10 @@ class Thresholds:
     queueing_share: float = 0.25
     slow_dns_ms: float = 100.0
     slow_tls_ms: float = 200.0
+
+
+#: The server's queues a `queueing` finding names (phases_ms key, name).
+_QUEUES = (("server_limiter_wait", "gateway queue"), ("server_queue", "engine queue"))
 
 
 def median_chunk_gap(records: Sequence[RequestRecord]) -> float | None:
@@ -109,8 +114,13 @@ def find_slow_first_token(
         if tok:
             limit = max(limit, th.slow_first_token_factor * tok * 1000)
         if wait > limit:
-            server = ", ".join(
-                f"{k[7:]} {v:.0f} ms" for k, v in ph.items() if k.startswith("server_")
+            split = inside.first_token_split(ph)
+            server = (
+                f"of it: {split}"
+                if split is not None
+                else ", ".join(
+                    f"{k[7:]} {v:.0f} ms" for k, v in ph.items() if k.startswith("server_")
+                )
             )
             out.append(
                 Finding(
@@ -123,7 +133,11 @@ def find_slow_first_token(
                             if tok
                             else ""
                         )
-                        + (f"; server reports {server}" if server else "")
+                        + (
+                            (f"; {server}" if split is not None else f"; server reports {server}")
+                            if server
+                            else ""
+                        )
                     ),
                     r.index,
                 )
@@ -160,13 +174,14 @@ def find_queueing(
         ttft_ms = (r.ttft or 0) * 1000
         waited = ph.get("server_queue", 0) + ph.get("server_limiter_wait", 0)
         if waited > th.queueing_ms and waited > th.queueing_share * ttft_ms:
+            where = ", ".join(f"{name} {ph[k]:.0f} ms" for k, name in _QUEUES if k in ph)
             out.append(
                 Finding(
                     "queueing",
                     (
                         f"request {r.index}: the server reports {waited:.0f} ms queued or "
-                        f"waiting for capacity before work began "
-                        f"({waited / max(ttft_ms, 1e-9):.0%} of TTFT "
+                        f"waiting for capacity before work began ({where}; "
+                        f"{waited / max(ttft_ms, 1e-9):.0%} of TTFT "
                         f"{ttft_ms:.0f} ms)"
                     ),
                     r.index,

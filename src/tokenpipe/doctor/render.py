@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenpipe.bench import svg
+from tokenpipe.doctor import inside
 from tokenpipe.doctor.findings import median_chunk_gap
 from tokenpipe.doctor.run import DoctorReport, summary_line
 from tokenpipe.doctor.trace import PHASES
@@ -57,6 +58,7 @@ def print_text(r: DoctorReport, console: Console | None = None) -> None:
         title=f"waterfall of one request (the median of {len(r.traced)})", title_justify="left"
     )
     rows = [k for k in PHASES] + [k for k in ph if k.startswith("server_")]
+    drawn = {row.spec.key: row for row in inside.rows(ph)}
     name_w = max(len(k) for k in rows)
     ms_w = max(len(f"{ph[k]:.1f}") for k in rows)
     width = bar_width(console.width, name_w, ms_w)
@@ -73,8 +75,16 @@ def print_text(r: DoctorReport, console: Console | None = None) -> None:
         t.add_row(k, f"{v:.1f}", " " * start + "\u2588" * n, _EXPLAIN[k])
         at += v
     for k, v in ph.items():
-        if k.startswith("server_"):
-            t.add_row(k, f"{v:.1f}", "", "reported by the server (overlaps the phases above)")
+        if not k.startswith("server_"):
+            continue
+        explain = inside.EXPLAIN.get(k, "reported by the server")
+        row = drawn.get(k)
+        if row is None:
+            t.add_row(k, f"{v:.1f}", "", explain)
+            continue
+        start = min(width - 1, int(row.start / total * width))
+        n = min(width - start, max(1 if v > 0 else 0, int(v / total * width + 0.5)))
+        t.add_row(k, f"{v:.1f}", " " * start + "\u2593" * n, explain)
     console.print(t)
     console.print(summary_line(r))
     if r.scaling is not None:
@@ -104,12 +114,17 @@ def render_html(r: DoctorReport, command: str = "") -> str:
     for k in PHASES:
         spans.append((k, at, at + ph[k], _PHASE_COLORS[k]))
         at += ph[k]
+    # The server's own phases (Server-Timing) below the client's, where they ran.
+    spans += [(r.spec.label, r.start, r.end, r.spec.color) for r in inside.rows(ph)]
     plots = [
         svg.bars(
             spans,
-            "Waterfall of one request",
+            "Waterfall of one request"
+            + (" (client phases, then the server's own)" if len(spans) > len(PHASES) else ""),
             "ms since the request started",
             plot_id="plot-waterfall",
+            height=max(svg.H, 74 + 20 * len(spans)),
+            label_rows=24,
         )
     ]
     if r.scaling is not None:
@@ -155,7 +170,8 @@ def render_html(r: DoctorReport, command: str = "") -> str:
     )
     rows = "".join(
         f"<tr><td>{escape(k)}</td><td>{v:.1f}</td>"
-        f"<td class=w>{escape(_EXPLAIN.get(k, 'reported by the server'))}</td></tr>"
+        f"<td class=w>{escape(_EXPLAIN.get(k) or inside.EXPLAIN.get(k, 'reported by the server'))}"
+        "</td></tr>"
         for k, v in ph.items()
     )
     notes = "".join(f'<p class="note">{escape(n)}</p>' for n in r.notes)

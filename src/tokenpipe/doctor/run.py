@@ -11,6 +11,7 @@ from tokenpipe.bench import prompts
 from tokenpipe.bench.clients import ChatRequest, SSEClient
 from tokenpipe.bench.metrics import RequestRecord
 from tokenpipe.doctor import findings as F
+from tokenpipe.doctor import inside
 from tokenpipe.doctor.fit import ScalingCheck, check_scaling
 from tokenpipe.doctor.hol import HolProbe, find_serialised, find_shared_stalls, probe
 from tokenpipe.doctor.trace import PHASES, TracedRequest, traced_request
@@ -195,8 +196,14 @@ def summary_line(r: DoctorReport) -> str:
     biggest = max(PHASES, key=lambda k: ph[k])
     share = ph[biggest] / total if total else 0.0
     kinds = sorted({f.kind for f in r.findings})
+    gateway = inside.largest_gateway_phase(ph)
     return (
         f"{total:.0f} ms end to end; the largest phase is {biggest} "
         f"({ph[biggest]:.0f} ms, {share:.0%})"
+        + (
+            f"; inside the gateway, {gateway[0].removeprefix('gateway ')} ({gateway[1]:.0f} ms)"
+            if gateway is not None
+            else ""
+        )
         + (f"; findings: {', '.join(kinds)}" if kinds else "; no findings")
     )

@@ -18,11 +18,26 @@ import aiohttp
 
 from tokenpipe.bench.clients import ChatRequest, SSEClient
 from tokenpipe.bench.metrics import RequestRecord
+from tokenpipe.doctor import inside
 
 #: Client-side phases, in order (keys of `phases_ms`).
 PHASES = ("dns", "connect", "tls", "request_sent", "headers", "first_token", "decode", "tail")
-#: Server-side phases a tokenpipe upstream may report (x-tokenpipe-* / `: tokenpipe ...`).
-SERVER_PHASES = ("queue", "limiter_wait", "prefill", "decode")
+#: Server-side phases a tokenpipe server may report (Server-Timing, x-tokenpipe-* headers,
+#: `: tokenpipe NAME_ms=...` comments; bench/stream.py names them): the gateway's, then the
+#: upstream engine's (`queue` is the engine's; the gateway's queue is `limiter_wait`).
+SERVER_PHASES = (
+    "edge",
+    "admission",
+    "context",
+    "limiter_wait",
+    "upstream_headers",
+    "first_token",
+    "max_gap",
+    "total",
+    "queue",
+    "prefill",
+    "decode",
+)
 
 
 @dataclass(slots=True)
@@ -64,7 +79,7 @@ class TracedRequest:
         for k in SERVER_PHASES:
             if k in r.server_ms:
                 res["server_" + k] = round(r.server_ms[k], 3)
-        return res
+        return inside.derive(res)
 
 
 def _span(m: dict[str, float], a: str, b: str) -> float:

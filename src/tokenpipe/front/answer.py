@@ -5,6 +5,7 @@ error after the first byte as the stream's last event."""
 from __future__ import annotations
 
 import logging
+import time
 
 import orjson
 from aiohttp import web
@@ -19,7 +20,8 @@ from tokenpipe.front.edge import (
     bound_client_buffers,
     json_response,
 )
-from tokenpipe.front.sse_out import emit_sse
+from tokenpipe.front.sse_out import StreamEnd, emit_sse
+from tokenpipe.observe.server_timing import ENGINE_HEADERS
 from tokenpipe.pipeline import Call
 from tokenpipe.relay.tally import StreamTally
 from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
@@ -28,8 +30,9 @@ from tokenpipe.upstream.http import PROTOCOL_ERROR
 log = logging.getLogger("tokenpipe.front")
 
 #: Server-side phases (ms) a generating upstream reports on non-streamed answers
-#: (`tokenpipe local`); passed through as they are. Streams carry them as an SSE comment.
-_SERVER_TIMING_HEADERS = ("x-tokenpipe-queue-ms", "x-tokenpipe-prefill-ms", "x-tokenpipe-decode-ms")
+#: (`tokenpipe local`); passed through as they are (and in Server-Timing, checked). Streams
+#: carry them as an SSE comment, relayed as it came.
+_ENGINE_TIMING_HEADERS = tuple(name for name, _ in ENGINE_HEADERS)
 #: The upstream's rate-limit headers passed on with its error (OpenAI's, Anthropic's).
 _RATELIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 
@@ -58,10 +61,11 @@ async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
             )
         tally.usage = call.dialect.usage_of(obj)
         body = call.dialect.answer(body, obj)
-        for name in _SERVER_TIMING_HEADERS:  # the engine's own phases, for doctor and benches
+        for name in _ENGINE_TIMING_HEADERS:  # the engine's own phases, for doctor and benches
             value = uresp.headers.get(name)
             if value is not None:
                 headers[name] = value
+        headers["Server-Timing"] = call.timing.header(time.perf_counter(), uresp.headers)
         return status, json_response(status, body, headers)
     # Upstream error: keep its status when it is an HTTP error a client can act on, make sure
     # the body is an error of the client's API (OpenAI's and Anthropic's both hold an "error"
@@ -83,6 +87,7 @@ async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
         )
     if status == 429 and "Retry-After" not in uresp.headers:
         headers.update(GatewayError(429, "").headers)
+    headers["Server-Timing"] = call.timing.header(time.perf_counter())
     return status, json_response(status, body, headers)
 
 
@@ -98,7 +103,13 @@ async def respond(
             response.headers.update(call.ctx.headers)
             return response
         sse_response = web.StreamResponse(
-            status=200, headers={**SSE_HEADERS, "x-request-id": rid, **call.ctx.headers}
+            status=200,
+            headers={
+                **SSE_HEADERS,
+                "x-request-id": rid,
+                "Server-Timing": call.timing.header(),  # the phases so far; the rest at the end
+                **call.ctx.headers,
+            },
         )
         bound_client_buffers(request, request.app[GATEWAY].settings.server.stream_send_buffer_bytes)
         await sse_response.prepare(request)
@@ -116,7 +127,8 @@ async def relay_sse(
 ) -> int:
     """Returns the status to record. Errors after the first byte become an SSE error event."""
     tally = call.tally
-    emit, write_now, ready = emit_sse(response, request.writer, tally)
+    end = StreamEnd(tally, call.timing)
+    emit, write_now, ready = emit_sse(response, request.writer, tally, end)
     try:
         error = await call.relay(emit, gate, write_now=write_now, ready=ready)
         # An error event is the stream's last: no [DONE] follows it (ARCHITECTURE.md), so a
@@ -124,7 +136,7 @@ async def relay_sse(
         # when the stream ended at the upstream's own error event (relayed as it came).
         if error is not None:
             error.message = _cut_message(tally, error.message)
-            await response.write(call.dialect.error_event(error))
+            await response.write(end() + call.dialect.error_event(error))
     except ConnectionResetError:  # the client went away: the relay's direct write, or
         # aiohttp's server (its ClientConnectionResetError is a ConnectionResetError)
         return CLIENT_CLOSED
@@ -133,7 +145,7 @@ async def relay_sse(
         # stream, not a response that never ends (the middleware cannot answer any more).
         log.exception("internal error while streaming")
         error = GatewayError(500, _cut_message(tally, "internal error in the gateway"))
-        await response.write(call.dialect.error_event(error))
+        await response.write(end() + call.dialect.error_event(error))
     await response.write_eof()
     return 200 if error is None else error.status
 

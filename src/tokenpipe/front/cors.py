@@ -20,7 +20,7 @@ _EXPOSE_HEADERS = (
     "x-request-id, retry-after, x-ratelimit-limit-requests, x-ratelimit-limit-tokens, "
     "x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens, "
     "x-ratelimit-reset-requests, x-ratelimit-reset-tokens, x-tokenpipe-max-tokens, "
-    "x-tokenpipe-context"
+    "x-tokenpipe-context, server-timing"
 )
 #: How long a browser may cache a preflight answer (seconds).
 _MAX_AGE = "600"
@@ -59,6 +59,9 @@ def install(app: web.Application, origins: list[str]) -> None:
         if origin is not None:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Expose-Headers"] = _EXPOSE_HEADERS
+            # The page's devtools and PerformanceResourceTiming.serverTiming show the phases
+            # (Server-Timing) only when the origin is allowed to see them.
+            response.headers["Timing-Allow-Origin"] = origin
             if origin != "*":
                 response.headers["Vary"] = "Origin"
 

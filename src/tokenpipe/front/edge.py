@@ -19,6 +19,7 @@ from tokenpipe import request_ids
 from tokenpipe.control.deadline import Scope
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import logs
+from tokenpipe.observe.server_timing import Timing
 from tokenpipe.pipeline import Gateway
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -32,6 +33,8 @@ SSE_HEADERS = {
 CLIENT_CLOSED = 499
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+#: Where an API request keeps its phase marks (Server-Timing), for the answer and for errors.
+TIMING = "tokenpipe_timing"
 
 
 class Arrival(NamedTuple):
@@ -50,6 +53,7 @@ async def arrive(request: web.Request, *, x_api_key: bool = False) -> Arrival:
     `x_api_key`, Anthropic's header is accepted too), the deadline scope (from here on), the
     body within its size and time bounds."""
     started = time.perf_counter()
+    request[TIMING] = Timing(started)
     gw = request.app[GATEWAY]
     rid = request_id(request)
     bearer = request.headers.get("Authorization")
@@ -61,6 +65,11 @@ async def arrive(request: web.Request, *, x_api_key: bool = False) -> Arrival:
     server = gw.settings.server
     body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
     return Arrival(started, gw, rid, key, scope, body)
+
+
+def timing_of(request: web.Request) -> Timing | None:
+    """The request's phase marks (None: it is not an API request, or did not get that far)."""
+    return request.get(TIMING)
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -77,11 +86,16 @@ ERROR_BODIES: web.AppKey[dict[str, ErrorBody]] = web.AppKey("error_bodies", dict
 
 
 def error_response(
-    e: GatewayError, request_id: str | None = None, body: ErrorBody | None = None
+    e: GatewayError,
+    request_id: str | None = None,
+    body: ErrorBody | None = None,
+    timing: Timing | None = None,
 ) -> web.Response:
     headers = dict(e.headers)
     if request_id:
         headers["x-request-id"] = request_id
+    if timing is not None:  # the phases that ran, and the total up to this answer
+        headers["Server-Timing"] = timing.header(time.perf_counter())
     return json_response(e.status, body(e) if body is not None else e.json(), headers)
 
 

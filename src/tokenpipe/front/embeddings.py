@@ -9,7 +9,7 @@ from aiohttp import web
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.dialects.embeddings import EMBEDDINGS, EmbeddingsRequest
 from tokenpipe.front.answer import respond
-from tokenpipe.front.edge import arrive
+from tokenpipe.front.edge import arrive, timing_of
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
@@ -26,5 +26,6 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
         headers=request.headers,
         scope=scope,
         dialect=EMBEDDINGS,
+        timing=timing_of(request),
     )
     return await respond(request, call, rid, False, None)

@@ -28,6 +28,7 @@ from tokenpipe.front.edge import (
     error_response,
     json_response,
     request_id,
+    timing_of,
 )
 from tokenpipe.front.embeddings import embeddings
 from tokenpipe.front.responses import responses
@@ -49,12 +50,17 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
     try:
         return await handler(request)
     except GatewayError as e:
-        return error_response(e, request.get("request_id"), error_body_of(request))
+        return error_response(
+            e, request.get("request_id"), error_body_of(request), timing_of(request)
+        )
     except web.HTTPException as e:
         if e.status < 400:
             raise
         return error_response(
-            _routing_error(request, e), request.get("request_id"), error_body_of(request)
+            _routing_error(request, e),
+            request.get("request_id"),
+            error_body_of(request),
+            timing_of(request),
         )
     except (asyncio.CancelledError, ConnectionResetError):
         raise
@@ -64,6 +70,7 @@ async def errors_middleware(request: web.Request, handler: Any) -> web.StreamRes
             GatewayError(500, "Internal error in the gateway."),
             request.get("request_id"),
             error_body_of(request),
+            timing_of(request),
         )
     finally:
         logs.REQUEST_ID.reset(token)
@@ -130,6 +137,7 @@ async def _completion(
         headers=request.headers,
         scope=scope,
         pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
+        timing=timing_of(request),
     )
     return await respond(request, call, rid, bool(req.stream), gate)
 

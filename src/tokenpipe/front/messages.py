@@ -18,7 +18,7 @@ from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import COUNT_TOKENS, MESSAGES, Dialect
 from tokenpipe.dialects import anthropic_schema as schema
 from tokenpipe.front.answer import respond
-from tokenpipe.front.edge import ERROR_BODIES, arrive
+from tokenpipe.front.edge import ERROR_BODIES, arrive, timing_of
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -54,6 +54,7 @@ async def _messages(
         scope=scope,
         pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
         dialect=dialect,
+        timing=timing_of(request),
     )
     return await respond(request, call, rid, bool(req.stream), gate)
 

@@ -25,9 +25,7 @@ from tokenpipe.dialects.responses_chat import ResponsesViaChat
 from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.answer import respond
-from tokenpipe.front.edge import (
-    arrive,
-)
+from tokenpipe.front.edge import arrive, timing_of
 from tokenpipe.pipeline import Gateway
 
 
@@ -62,6 +60,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         scope=scope,
         pace=gate.rate if gate is not None else None,
         dialect=dialect,
+        timing=timing_of(request),
     )
     return await respond(request, call, rid, bool(req.stream), gate)
 

@@ -8,13 +8,34 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenpipe.dialects import Piece
+from tokenpipe.observe.server_timing import Timing
 from tokenpipe.relay.buffer import WriteNow
 from tokenpipe.relay.stream import Emit
 from tokenpipe.relay.tally import StreamTally
 
 
+class StreamEnd:
+    """The stream's end-of-stream timing comment (observe/server_timing.py): its bytes the
+    first time it is asked, then nothing. Written before the stream's last event, so a client
+    that stops reading at `[DONE]` has it."""
+
+    __slots__ = ("sent", "tally", "timing")
+
+    def __init__(self, tally: StreamTally, timing: Timing) -> None:
+        self.tally = tally
+        self.timing = timing
+        self.sent = False
+
+    def __call__(self) -> bytes:
+        if self.sent:
+            return b""
+        self.sent = True
+        t = self.tally
+        return self.timing.stream_end(t.first_token_at, t.max_gap, time.perf_counter())
+
+
 def emit_sse(
-    response: Any, writer: Any, tally: StreamTally
+    response: Any, writer: Any, tally: StreamTally, end: StreamEnd | None = None
 ) -> tuple[Emit, WriteNow | None, Callable[[], bool]]:
     """Emitters writing pieces as SSE bytes to a prepared aiohttp StreamResponse and its
     `writer` (`request.writer`): (emit, write_now, ready).
@@ -32,7 +53,7 @@ def emit_sse(
     "nothing": uvloop sends what was written at the end of the loop iteration, so a buffer
     that is not empty yet does not mean a slow client; one that holds a few KiB does).
     write_now is None on a response that is not chunked (HTTP/1.0) or compressed: then the
-    writer task writes everything.
+    writer task writes everything. `end`, when given, goes before the stream's last event.
     """
     started = False
 
@@ -42,6 +63,8 @@ def emit_sse(
             if piece.count:
                 tally.observe_content(time.perf_counter())
                 tally.deltas += piece.count
+            if piece.end and end is not None:
+                return end() + piece.event()
             return piece.event()
         now = 0.0
         out = []
@@ -50,6 +73,8 @@ def emit_sse(
                 now = now or time.perf_counter()
                 tally.observe_content(now)
                 tally.deltas += piece.count
+            if piece.end and end is not None:
+                out.append(end())
             out.append(piece.event())
         return b"".join(out)
 

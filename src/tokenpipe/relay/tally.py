@@ -20,6 +20,7 @@ class StreamTally:
         "itl",
         "labels",
         "last_token_at",
+        "max_gap",
         "started_at",
         "ttft",
         "usage",
@@ -30,6 +31,7 @@ class StreamTally:
         self.started_at = started_at  # time.perf_counter() at request arrival
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
+        self.max_gap = 0.0  # seconds: the longest gap between content events (Server-Timing)
         self.chunks = 0  # content events sent to the client
         self.deltas = 0  # upstream content deltas sent (several per event when merged)
         self.usage: dict[str, Any] | None = None
@@ -44,7 +46,10 @@ class StreamTally:
             self.ttft = now - self.started_at
             metrics.child(metrics.TTFT, *self.labels).observe(self.ttft)
         else:
-            self.itl.observe(now - self.last_token_at)
+            gap = now - self.last_token_at
+            self.itl.observe(gap)
+            if gap > self.max_gap:
+                self.max_gap = gap
         self.last_token_at = now
         self.chunks += 1
 
