@@ -14,7 +14,7 @@ LABEL_W = 430  # the span names' column
 RIGHT_W = 90  # the durations' column
 ROW_H = 30
 BAR_H = 18
-TOP = 70
+TOP = 84
 COLORS = {
     "SERVER": "#334155",
     "INTERNAL": "#94a3b8",
@@ -69,8 +69,9 @@ def _label(span: Span) -> str:
     return " — ".join(parts)
 
 
-def render(spans: list[Span], title: str) -> tuple[str, dict[str, tuple[int, int, int, int]]]:
-    """(the page, each span's bar as (x, y, w, h) in page pixels by span id)."""
+def render(spans: list[Span], title: str) -> tuple[str, dict[str, tuple[int, int, int, int]], str]:
+    """(the page, each span's bar as (x, y, w, h) in page pixels by span id, its size as
+    "WIDTH,HEIGHT" for the screenshot)."""
     rows = _order(spans)
     t0 = min(s.start for s in spans)
     t1 = max(s.end for s in spans)
@@ -129,11 +130,11 @@ def render(spans: list[Span], title: str) -> tuple[str, dict[str, tuple[int, int
     out.append("</svg>")
     page = (
         '<!doctype html><html><head><meta charset="utf-8"><title>trace</title>'
-        "<style>body{margin:0;background:#fff}</style></head><body>"
+        "<style>body{margin:0;background:#fff;overflow:hidden}</style></head><body>"
         + "".join(out)
         + "</body></html>"
     )
-    return page, boxes
+    return page, boxes, f"{WIDTH},{height}"
 
 
 def _ticks(total_ms: float) -> list[float]:
