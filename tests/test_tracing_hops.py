@@ -21,7 +21,7 @@ from tests.otlp_receiver import Receiver, Span
 from tests.sse_client import post_stream
 from tests.test_bench_html import CHROMIUM, render
 from tests.test_context_gateway import conversation
-from tests.test_tracing_spans import _rid, _traceparent, exported, sim_records
+from tests.test_tracing_spans import request_id_of, client_traceparent, exported, sim_records
 from tests.trace_waterfall import COLORS
 from tests.trace_waterfall import render as waterfall
 from tokenpipe.front.grpc_gen import chat_pb2 as pb
@@ -100,14 +100,14 @@ def _attempts(spans: list[Span]) -> list[Span]:
 
 
 async def _hedged(gw: procs.Service) -> tuple[str, str]:
-    trace_id, _, traceparent = _traceparent()
+    trace_id, _, traceparent = client_traceparent()
     r = await post_stream(
         gw.url + "/v1/chat/completions",
         {"model": "hedged", "stream": True, "max_tokens": 6, "messages": [HI]},
         headers={"traceparent": traceparent},
     )
     assert r.status == 200 and r.done and not r.errors, r.chunks
-    return trace_id, _rid(r.headers)
+    return trace_id, request_id_of(r.headers)
 
 
 async def test_a_hedged_request_shows_both_attempts_which_won_and_each_upstream_joined(
@@ -142,7 +142,7 @@ async def test_a_retry_shows_the_failed_first_send_and_the_retry_that_answered(
     hops: Hops,
 ) -> None:
     receiver = hops.receiver
-    trace_id, _, traceparent = _traceparent()
+    trace_id, _, traceparent = client_traceparent()
     r = await post_stream(
         hops.gw.url + "/v1/chat/completions",
         {"model": "retried", "stream": True, "max_tokens": 4, "messages": [HI]},
@@ -162,7 +162,7 @@ async def test_the_summary_call_is_a_client_span_of_its_own_under_the_context_sp
     hops: Hops,
 ) -> None:
     receiver = hops.receiver
-    trace_id, _, traceparent = _traceparent()
+    trace_id, _, traceparent = client_traceparent()
     async with (
         aiohttp.ClientSession() as session,
         session.post(
@@ -214,7 +214,7 @@ async def test_a_grpc_request_gets_a_server_span_continuing_the_calls_traceparen
     hops: Hops,
 ) -> None:
     receiver, target = hops.receiver, hops.grpc_target
-    trace_id, client_span, traceparent = _traceparent()
+    trace_id, client_span, traceparent = client_traceparent()
     async with grpc.aio.insecure_channel(target) as channel:
         call = pb_grpc.ChatStub(channel).ChatStream(
             _grpc_messages("r1"), metadata=(("traceparent", traceparent),)

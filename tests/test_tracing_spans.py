@@ -55,7 +55,7 @@ def traced(
         yield g
 
 
-def _traceparent() -> tuple[str, str, str]:
+def client_traceparent() -> tuple[str, str, str]:
     """A client's own trace: (trace id, its span id, the traceparent header)."""
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
     return trace_id, span_id, f"00-{trace_id}-{span_id}-01"
@@ -77,7 +77,7 @@ async def sim_records(sim: procs.Service) -> list[dict[str, Any]]:
         return list((await r.json())["records"])
 
 
-def _rid(headers: dict[str, str]) -> str:
+def request_id_of(headers: dict[str, str]) -> str:
     return next(v for k, v in headers.items() if k.lower() == "x-request-id")
 
 
@@ -90,7 +90,7 @@ def _one(spans: list[Span], name: str) -> Span:
 async def test_a_streamed_chat_is_one_trace_continuing_the_clients_traceparent_to_the_upstream(
     traced: procs.Service, receiver: Receiver, sim: procs.Service
 ) -> None:
-    trace_id, client_span, traceparent = _traceparent()
+    trace_id, client_span, traceparent = client_traceparent()
     r = await post_stream(
         traced.url + "/v1/chat/completions",
         {
@@ -110,7 +110,7 @@ async def test_a_streamed_chat_is_one_trace_continuing_the_clients_traceparent_t
     assert server.resource["service.name"] == "tokenpipe-test"
     a = server.attributes
     assert a["http.response.status_code"] == 200 and a["tokenpipe.status"] == 200
-    assert a["tokenpipe.request_id"] == _rid(r.headers)
+    assert a["tokenpipe.request_id"] == request_id_of(r.headers)
     assert a["gen_ai.operation.name"] == "chat"
     assert a["gen_ai.request.model"] == "sim-model"
     assert a["gen_ai.request.max_tokens"] == 12
@@ -149,7 +149,7 @@ async def test_a_streamed_chat_is_one_trace_continuing_the_clients_traceparent_t
     assert server.start <= attempt.start and attempt.end <= server.end
 
     # The upstream got the attempt span's context: the same trace, the attempt as parent.
-    records = [x for x in await sim_records(sim) if x["id"] == _rid(r.headers)]
+    records = [x for x in await sim_records(sim) if x["id"] == request_id_of(r.headers)]
     assert [x["traceparent"] for x in records] == [f"00-{trace_id}-{attempt.span_id}-01"]
 
 
@@ -204,7 +204,7 @@ async def test_each_api_names_its_operation_and_each_request_is_a_trace_of_its_o
 
 async def _secret_request(url: str) -> tuple[str, str, str]:
     """A streamed chat whose prompt holds SECRET_WORD: (trace id, request id, answer text)."""
-    trace_id, _, traceparent = _traceparent()
+    trace_id, _, traceparent = client_traceparent()
     r = await post_stream(
         url + "/v1/chat/completions",
         {
@@ -216,7 +216,7 @@ async def _secret_request(url: str) -> tuple[str, str, str]:
         headers={**AUTH, "traceparent": traceparent},
     )
     assert r.status == 200 and len(r.text.split()) == 8, r.body
-    return trace_id, _rid(r.headers), r.text
+    return trace_id, request_id_of(r.headers), r.text
 
 
 async def test_no_prompt_or_completion_text_and_no_key_in_any_span_by_default(
