@@ -21,7 +21,7 @@ from tests.otlp_receiver import Receiver, Span
 from tests.sse_client import post_stream
 from tests.test_bench_html import CHROMIUM, render
 from tests.test_context_gateway import conversation
-from tests.test_tracing_spans import request_id_of, client_traceparent, exported, sim_records
+from tests.test_tracing_spans import client_traceparent, exported, request_id_of, sim_records
 from tests.trace_waterfall import COLORS
 from tests.trace_waterfall import render as waterfall
 from tokenpipe.front.grpc_gen import chat_pb2 as pb
