@@ -42,6 +42,7 @@ class Hops:
     receiver: Receiver
     slow: procs.Service  # stalls every first token for 3 s
     broken: procs.Service  # answers every request 500
+    stalling: procs.Service  # stops for 20 s after 5 tokens
     fast: procs.Service
     gw: procs.Service  # exporting over OTLP/gRPC
     grpc_target: str  # the gateway's gRPC front
@@ -53,20 +54,32 @@ def hops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hops]:
         Receiver() as receiver,
         procs.sim("--ttft-ms", "5", "--itl-ms", "1", "--fault", "stall-first:3000@1") as slow,
         procs.sim("--ttft-ms", "5", "--itl-ms", "1", "--fault", "status:500@1") as broken,
+        procs.sim("--ttft-ms", "5", "--itl-ms", "1", "--fault", "stall:5:20000@1") as stalling,
         procs.sim("--ttft-ms", "5", "--itl-ms", "1") as fast,
     ):
         config = {
             "upstreams": [
                 {"name": "slow", "url": slow.url + "/v1", "models": ["hedged"]},
                 {"name": "broken", "url": broken.url + "/v1", "models": ["retried"]},
+                {"name": "stalling", "url": stalling.url + "/v1", "models": ["continued"]},
                 {
                     "name": "fast",
                     "url": fast.url + "/v1",
-                    "models": ["hedged", "retried", "summarized", "big-summarizer", "sim-model"],
+                    "models": [
+                        "hedged",
+                        "retried",
+                        "continued",
+                        "summarized",
+                        "big-summarizer",
+                        "sim-model",
+                    ],
                 },
             ],
             # Every stalled request of these tests may hedge (the default budget: 1 in 10).
-            "tail": {"hedging": {"initial_delay_seconds": HEDGE_DELAY, "budget_reserve": 10}},
+            "tail": {
+                "hedging": {"initial_delay_seconds": HEDGE_DELAY, "budget_reserve": 10},
+                "stall": {"floor_seconds": 0.3, "initial_seconds": 0.3, "ceiling_seconds": 1},
+            },
             "context": {
                 "policy": "truncate",
                 "margin_tokens": 8,
@@ -92,7 +105,7 @@ def hops(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hops]:
         with procs.gateway(
             "--config", str(path), "--grpc-port", str(port), env=receiver.env("grpc")
         ) as gw:
-            yield Hops(receiver, slow, broken, fast, gw, f"127.0.0.1:{port}")
+            yield Hops(receiver, slow, broken, stalling, fast, gw, f"127.0.0.1:{port}")
 
 
 def _attempts(spans: list[Span]) -> list[Span]:
@@ -156,6 +169,33 @@ async def test_a_retry_shows_the_failed_first_send_and_the_retry_that_answered(
     assert first.status == 2 and a["error.type"] == "status_5xx"  # a failed span
     assert (b["tokenpipe.upstream.name"], b["tokenpipe.attempt.role"]) == ("fast", "retry")
     assert b["tokenpipe.attempt.outcome"] == "answered" and retry.status != 2
+
+
+async def test_a_stream_that_stalls_mid_way_shows_the_stall_and_its_continuation(
+    hops: Hops,
+) -> None:
+    trace_id, _, traceparent = client_traceparent()
+    r = await post_stream(
+        hops.gw.url + "/v1/completions",
+        {"model": "continued", "stream": True, "max_tokens": 20, "prompt": "alpha beta gamma"},
+        headers={"traceparent": traceparent},
+    )
+    assert r.status == 200 and r.done and not r.errors, r.chunks
+    spans = await exported(hops.receiver, trace_id)
+    first, continuation = _attempts(spans)
+    a, b = first.attributes, continuation.attributes
+    assert (a["tokenpipe.upstream.name"], a["tokenpipe.attempt.role"]) == ("stalling", "first")
+    assert a["tokenpipe.attempt.outcome"] == "stalled" and first.status == 2
+    stall = first.event("stall")
+    assert stall is not None and "stall deadline of 0.3 s" in stall["tokenpipe.stall.bound"]
+    assert (b["tokenpipe.upstream.name"], b["tokenpipe.attempt.role"]) == ("fast", "continuation")
+    assert b["tokenpipe.attempt.outcome"] == "answered"
+    # The continuation went out after the stall; the stalled one closed once it took over.
+    stalled_at = dict(first.event_times)["stall"]
+    assert stalled_at <= continuation.start <= first.end
+    server = next(s for s in spans if s.kind == "SERVER")
+    assert server.attributes["gen_ai.operation.name"] == "text_completion"
+    assert server.attributes["tokenpipe.stream.deltas"] == 20
 
 
 async def test_the_summary_call_is_a_client_span_of_its_own_under_the_context_span(
