@@ -282,12 +282,22 @@ async def test_the_genai_metrics_go_out_over_otlp_when_a_metrics_endpoint_is_set
         with procs.gateway("--config", cfg, env=env) as gw:
             for _ in range(3):
                 await _secret_request(gw.url)
+            # One that fails before any upstream answers: counted too, with its error.
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    gw.url + "/v1/chat/completions",
+                    json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]},
+                    headers=AUTH,
+                ) as resp,
+            ):
+                assert resp.status == 404
 
             async def recorded() -> bool:
                 m = receiver.received.metrics
-                return sum(p["_count"] for p in m.get("gen_ai.server.request.duration", ())) >= 3
+                return sum(p["_count"] for p in m.get("gen_ai.server.request.duration", ())) >= 4
 
-            await until(recorded, 15, "gen_ai.server.request.duration of 3 requests")
+            await until(recorded, 15, "gen_ai.server.request.duration of 4 requests")
         m = dict(receiver.received.metrics)
     assert not receiver.received.spans  # a metrics endpoint alone: no traces
     for name in (
@@ -296,10 +306,17 @@ async def test_the_genai_metrics_go_out_over_otlp_when_a_metrics_endpoint_is_set
         "gen_ai.client.token.usage",
         "gen_ai.server.request.duration",
     ):
-        assert m.get(name), (name, sorted(m))
-        point = m[name][-1]
+        ok = [p for p in m.get(name, ()) if "error.type" not in p]
+        assert ok, (name, sorted(m))
+        point = ok[-1]
         assert point["gen_ai.operation.name"] == "chat"
         assert point["gen_ai.provider.name"] == "openai"
         assert point["gen_ai.request.model"] == "sim-model"
     kinds = {p["gen_ai.token.type"] for p in m["gen_ai.client.token.usage"]}
     assert kinds == {"input", "output"}
+    failed = {
+        (p["error.type"], p["gen_ai.request.model"])
+        for p in m["gen_ai.server.request.duration"]
+        if "error.type" in p
+    }
+    assert failed == {("404", "other")}  # (a model no upstream serves: bounded to `other`)

@@ -6,11 +6,13 @@ The request-level hooks that open them are in observe/tracing.py."""
 from __future__ import annotations
 
 import asyncio
+from functools import lru_cache
 from types import TracebackType
 from typing import Any
 
 from opentelemetry import trace as otel
 from opentelemetry.trace import Status, StatusCode
+from yarl import URL
 
 #: Attempt outcomes that are failures: the span's status is ERROR, `error.type` the outcome.
 FAILED = frozenset(
@@ -143,3 +145,10 @@ def header_lines(ctx: otel.SpanContext) -> bytes:
     if state:
         lines += b"tracestate: %s\r\n" % state.encode("ascii", "replace")
     return lines
+
+
+@lru_cache(maxsize=256)
+def server_of(url: str) -> tuple[str, int]:
+    """`server.address` and `server.port` of an upstream's base URL (from the config)."""
+    u = URL(url)
+    return u.host or "", u.port or 0

@@ -23,17 +23,15 @@ import contextvars
 import re
 import time
 from collections.abc import Mapping
-from functools import lru_cache
 from typing import Any
 
 import orjson
 from opentelemetry import trace as otel
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from yarl import URL
 
 from tokenpipe.observe.genai import GenAIMetrics
-from tokenpipe.observe.spans import NO_SPAN, NoSpan, Span, header_lines
+from tokenpipe.observe.spans import NO_SPAN, NoSpan, Span, header_lines, server_of
 
 __all__ = ["NO_SPAN", "OFF", "NoSpan", "RequestTrace", "Span", "serve"]
 
@@ -63,13 +61,6 @@ _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 _MAX_REASONS = 16
 
 
-@lru_cache(maxsize=256)
-def _server(url: str) -> tuple[str, int]:
-    """`server.address` and `server.port` of an upstream's base URL (from the config)."""
-    u = URL(url)
-    return u.host or "", u.port or 0
-
-
 def _text(value: Any) -> str:
     """Captured content as an attribute value: JSON, at most MAX_CONTENT characters."""
     text = value if isinstance(value, str) else orjson.dumps(value).decode()
@@ -88,12 +79,14 @@ class RequestTrace:
         "attempts",
         "capture",
         "finish_reasons",
+        "finished",
         "model",
         "operation",
         "provider",
         "recording",
         "response_model",
         "span",
+        "started",
         "waited",
     )
     on = True
@@ -111,6 +104,8 @@ class RequestTrace:
         self.finish_reasons: list[str] = []
         self.attempts = 0
         self.waited = 0.0  # seconds in limiter queues, all sends
+        self.started = time.perf_counter()
+        self.finished = False  # `finish` ran (an upstream call was answered)
 
     def _start(self, name: str, kind: SpanKind, attributes: dict[str, Any] | None) -> Span:
         if not self.recording or TRACER is None:
@@ -184,7 +179,7 @@ class RequestTrace:
         queued.end()
         wait = (time.time_ns() - queued.started) / 1e9
         self.waited += wait
-        address, port = _server(url)
+        address, port = server_of(url)
         return self._start(
             f"{self.operation} {self.model}",
             SpanKind.CLIENT,
@@ -247,9 +242,7 @@ class RequestTrace:
     def output(self, texts: list[str]) -> None:
         """A stream's content (captured only), as the conventions' output message."""
         if self.capture and texts:
-            text = "".join(texts)
-            if len(text) > MAX_CONTENT:
-                text = text[:MAX_CONTENT] + f"... [cut at {MAX_CONTENT} characters]"
+            text = _text("".join(texts))
             message = [{"role": "assistant", "parts": [{"type": "text", "content": text}]}]
             self.span.set_attribute("gen_ai.output.messages", orjson.dumps(message).decode())
 
@@ -264,6 +257,7 @@ class RequestTrace:
         deltas: int,
     ) -> None:
         """The request ended with `status` (as recorded: 499 when the client went away)."""
+        self.finished = True
         if self.recording:
             attrs: dict[str, Any] = {
                 "tokenpipe.status": status,
@@ -311,7 +305,11 @@ class RequestTrace:
             )
 
     def close(self, status: int, http: bool = True) -> None:
-        """Ends the server span with the status the client got (the front's)."""
+        """Ends the server span with the status the client got (the front's). A request that
+        failed before an upstream answered (a quota's 429, no upstream left) is finished
+        here: it counts in the metrics too, its status the `error.type`."""
+        if not self.finished and self.model:
+            self.finish(status, time.perf_counter() - self.started, None, None, None, 0, 0)
         if http:
             self.span.set_attribute("http.response.status_code", status)
         if status >= 500:
