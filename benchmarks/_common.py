@@ -47,9 +47,14 @@ def fmt(v: float | None, width: int, digits: int = 2) -> str:
     return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"
 
 
-def gateway(sim_url: str, grpc_port: int = 0, config: Path | None = None) -> Service:
+def gateway(
+    sim_url: str,
+    grpc_port: int = 0,
+    config: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Service:
     """`tokenpipe serve` in front of a sim (base URL without /v1), with its defaults or with
-    `config` (its upstreams replaced by the sim)."""
+    `config` (its upstreams replaced by the sim); `env`: more of its environment (OTEL_*)."""
     # The later --grpc-port wins over procs.gateway's own "0" (off).
     return procs.gateway(
         *(("--config", str(config)) if config else ()),
@@ -59,6 +64,7 @@ def gateway(sim_url: str, grpc_port: int = 0, config: Path | None = None) -> Ser
         sim_url + "/v1",
         "--log-level",
         "warning",
+        env=env,
     )
 
 

@@ -5,6 +5,12 @@ answers, the request path subtracted), interleaved round by round, one sim for b
     python benchmarks/relay_cost.py                       # ~2 min; JSON in results/relay_cost.json
     python benchmarks/relay_cost.py --rounds 5 --concurrency 32
     python benchmarks/relay_cost.py --features-off        # + tokenpipe with its layers off
+    python benchmarks/relay_cost.py --tracing on          # tokenpipe exporting every span
+
+`--tracing` sets the gateway's OpenTelemetry environment: `off` (the default: no endpoint),
+`on` (every request sampled, spans batched to an OTLP/HTTP receiver on loopback that only
+counts them, tests/otlp_receiver.py) or `sampled` (the same receiver, 1 request in 100
+sampled: OTEL_TRACES_SAMPLER=traceidratio, OTEL_TRACES_SAMPLER_ARG=0.01).
 
 The overhead benchmark (`overhead.py`) shows latency and throughput under load; this one says
 where the gateway's CPU goes, which is what sets them once the machine is saturated.
@@ -16,10 +22,14 @@ import argparse
 import asyncio
 import contextlib
 import statistics
+import sys
 from typing import Any
 
 from _common import ROOT, bare_relay, cpu_seconds, features_off_config, gateway, write_json
 
+sys.path.insert(0, str(ROOT))  # tests/ (the OTLP receiver of --tracing)
+
+from tests.otlp_receiver import Receiver
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
 from tokenpipe.serving import install_uvloop
@@ -41,11 +51,30 @@ async def _cpu_per(svc: Service, concurrency: int, requests: int, max_tokens: in
     return (cpu_seconds(svc.pid) - before) / requests
 
 
+#: The gateway's environment per `--tracing` (the receiver's URL filled in).
+SAMPLERS = {
+    "on": {"OTEL_TRACES_SAMPLER": "always_on"},
+    "sampled": {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"},
+}
+
+
+def _tracing_env(mode: str, receiver: Receiver | None) -> dict[str, str] | None:
+    if mode == "off" or receiver is None:
+        return None
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_url,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        **SAMPLERS[mode],
+    }
+
+
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     lean = features_off_config()
+    traced = args.tracing != "off"
     with (
+        Receiver() if traced else contextlib.nullcontext() as receiver,
         Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", name="sim") as sim,
-        gateway(sim.url) as gw,
+        gateway(sim.url, env=_tracing_env(args.tracing, receiver)) as gw,
         bare_relay(sim.url) as relay,
         gateway(sim.url, config=lean) if args.features_off else contextlib.nullcontext() as off,
     ):
@@ -75,6 +104,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                     "rounds_us_per_token": per_token[name],
                 }
             )
+        if receiver is not None:
+            print(f"\nspans exported: {len(receiver.received.spans)} (tracing {args.tracing})")
         base = next(row for row in rows if row["target"] == "bare-relay")
         print(f"\n{'target':<13} {'us/request':>11} {'x relay':>8} {'us/token':>9} {'x relay':>8}")
         for row in rows:
@@ -83,7 +114,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                 f"{row['us_per_request'] / base['us_per_request']:8.2f} "
                 f"{row['us_per_token']:9.1f} {row['us_per_token'] / base['us_per_token']:8.2f}"
             )
-        return {"rows": rows}
+        return {"rows": rows, "tracing": args.tracing}
 
 
 def main() -> None:
@@ -95,6 +126,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=400, help="tokens per long request")
     p.add_argument(
         "--features-off", action="store_true", help="add tokenpipe with every optional layer off"
+    )
+    p.add_argument(
+        "--tracing",
+        choices=("off", "on", "sampled"),
+        default="off",
+        help="tokenpipe's OpenTelemetry: off, every request, or 1 in 100 (see above)",
     )
     p.add_argument("--json", default=str(ROOT / "results" / "relay_cost.json"))
     args = p.parse_args()

@@ -118,6 +118,7 @@ class ScriptedUpstream(HttpUpstream):
         stream: bool = False,
         *,
         pace: float | None = None,
+        trace: bytes = b"",
     ) -> UpstreamResponse:
         if self.on_post is not None:
             self.on_post(self)

@@ -1,6 +1,7 @@
 """The container files, checked without a container engine (none runs here): the command the
 image runs exists, the shipped gateway config passes `config check`, Prometheus scrapes the
-gateway's port and path, and Grafana is given the dashboard that docs/ ships."""
+gateway's port and path, Grafana is given the dashboard that docs/ ships, and the gateway's
+traces reach Jaeger through the collector."""
 
 from __future__ import annotations
 
@@ -71,3 +72,17 @@ def test_prometheus_scrapes_the_gateway_and_grafana_gets_the_dashboard() -> None
     assert any("tokenpipe_" in json.dumps(p) for p in dash["panels"])
     ds = yaml.safe_load((ROOT / "deploy" / "grafana" / "datasources.yaml").read_text())
     assert ds["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_the_gateway_exports_traces_to_the_collector_and_the_collector_to_jaeger() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = compose["services"]
+    endpoint = services["gateway"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert endpoint == "http://otel-collector:4318"  # OTLP/HTTP, the default protocol
+    mount = services["otel-collector"]["volumes"][0]
+    collector = yaml.safe_load((ROOT / mount.split(":", 1)[0]).read_text())
+    assert collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
+    pipeline = collector["service"]["pipelines"]["traces"]
+    (exporter,) = pipeline["exporters"]
+    host = collector["exporters"][exporter]["endpoint"].split(":")[0]
+    assert host in services and "4317" in services[host]["expose"]

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from tokenpipe import serving
 from tokenpipe.front import http as front_http
+from tokenpipe.observe import otel
 from tokenpipe.pipeline import Gateway
 from tokenpipe.router import Router
 from tokenpipe.settings import Settings
@@ -22,6 +23,15 @@ def build(settings: Settings) -> web.Application:
 
 async def run(settings: Settings, sock: socket.socket | None = None) -> None:
     """`sock`: an already bound listening socket (serve --workers), else host:port."""
+    # OpenTelemetry from the OTEL_* environment (off without an endpoint), per process.
+    otel.setup(settings.tracing.capture_content)
+    try:
+        await _run(settings, sock)
+    finally:
+        otel.shutdown()  # the spans still batched go out before the process exits
+
+
+async def _run(settings: Settings, sock: socket.socket | None) -> None:
     app = build(settings)
     gw = app[front_http.GATEWAY]
     grpc_server: Any = None

@@ -27,10 +27,10 @@ from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.dialects.chat_via_messages import ChatViaMessages
 from tokenpipe.dialects.messages_via_chat import MessagesViaChat
 from tokenpipe.errors import GatewayError
-from tokenpipe.observe import metrics
+from tokenpipe.observe import metrics, tracing
 from tokenpipe.observe.server_timing import Timing
 from tokenpipe.relay.buffer import WriteNow
-from tokenpipe.relay.events import EventParser
+from tokenpipe.relay.events import EventParser, Record
 from tokenpipe.relay.stream import Emit, relay_stream
 from tokenpipe.relay.tally import StreamTally
 from tokenpipe.router import Router
@@ -128,15 +128,30 @@ class Gateway:
         timing.opened = now()
         if scope is None:
             scope = self.scope(headers)
+        # The front's server span, if it opened one (tracing.OFF: no-op hooks).
+        trace = tracing.CURRENT.get()
+        native = dialect or DIALECTS[kind]
+        trace.request(native.name, req.model, bool(req.stream), obj)
         # The key's quota first: an over-quota key costs nothing more (no token counting, no
         # summary call). 429 when over. (An embedding generates nothing: no output reserved.)
-        output = (dialect or DIALECTS[kind]).output
-        admit = self.traffic.admit(key, obj, scope, output=output)
-        ticket = await _within(scope, admit, "admission")
+        admit = self.traffic.admit(key, obj, scope, output=native.output)
+        with trace.step("admission"):
+            ticket = await _within(scope, admit, "admission")
         timing.admitted = now()
         try:
             return await self._open(
-                kind, req, obj, body, ticket, request_id, started, headers, pace, dialect, timing
+                kind,
+                req,
+                obj,
+                body,
+                ticket,
+                request_id,
+                started,
+                headers,
+                pace,
+                dialect,
+                timing,
+                trace,
             )
         except BaseException:
             ticket.finish()
@@ -155,10 +170,11 @@ class Gateway:
         pace: float | None,
         dialect: Dialect | None,
         timing: Timing,
+        trace: tracing.RequestTrace,
     ) -> Call:
         scope = ticket.scope
         ctx = await _within(
-            scope, self.context.apply(kind, req, obj, headers, scope), "context budget"
+            scope, self.context.apply(kind, req, obj, headers, scope, trace), "context budget"
         )
         changed = ctx.body is not None  # may shorten the request
         if changed:
@@ -189,6 +205,7 @@ class Gateway:
             stream=bool(req.stream),
             prompt_tokens=ticket.cost.prompt,
             pace=pace,
+            trace=trace,
         )
         timing.prepared = now()
         clock = self.policy.clock  # the router's: its send time is on it
@@ -198,7 +215,7 @@ class Gateway:
         timing.upstream_headers = clock.now() - route.sent_at
         timing.queue = route.sent_at - routing
         try:
-            tally = StreamTally(route.upstream.name, req.model, started)
+            tally = StreamTally(route.upstream.name, req.model, started, trace)
             parser = EventParser(tally, strip_usage, dialect.for_stream())
             return Call(route, tally, ticket, ctx, parser, timing)
         except BaseException:  # no Call to close it: the route ends here
@@ -259,9 +276,10 @@ class Call:
 
     async def read_whole(self, limit: int | None = None) -> bytes:
         """The whole body of a non-streamed answer (or an upstream error), bounded."""
-        if limit is None:
-            return await read_bounded(self.route.uresp)
-        return await read_bounded(self.route.uresp, limit)
+        uresp = self.route.uresp
+        body = await (read_bounded(uresp) if limit is None else read_bounded(uresp, limit))
+        self.tally.trace.answer(uresp.status, body)  # (traced only) model, finish reasons
+        return body
 
     async def relay(
         self,
@@ -274,9 +292,10 @@ class Call:
         """Relays the stream to the client (relay.relay_stream with the router's reader);
         returns why it ended early, if it did."""
         assert self.parser is not None
-        return await relay_stream(
-            reader(self.route, self.parser), emit, gate, gate_changed, write_now, ready
-        )
+        read = reader(self.route, self.parser)
+        if self.tally.trace.capture and self.parser.record is None:
+            self.parser.record = Record()  # the text for the span (bounded: RECORD_MAX_BYTES)
+        return await relay_stream(read, emit, gate, gate_changed, write_now, ready)
 
     def close(self, status: int) -> None:
         """Releases everything, whatever a step raises: one `finally` per resource (a step
@@ -284,6 +303,8 @@ class Call:
         The first error is raised after all steps ran."""
         tally = self.tally
         try:
+            if status == 499:  # the client went away (front's CLIENT_CLOSED)
+                self.route.span.mark("cancelled")
             # At once: a client that went away must not keep the upstream busy. Hedge, retry
             # and continuation responses and their tickets go with it.
             self.route.close()
@@ -303,6 +324,7 @@ class Call:
                             self.ctx.observe(tally.usage)
                         finally:
                             if self.parser is not None:
+                                tally.trace.output(self.parser.texts())  # (captured only)
                                 self.parser.close()
 
     def _ticket_status(self, status: int) -> int | None:

@@ -291,6 +291,15 @@ class LocalSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     default_max_tokens: PositiveInt = 256
 
 
+class TracingSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenTelemetry (docs/observability.md, "Traces"): where spans go is the standard
+    OTEL_* environment variables' business; this says only what goes into them."""
+
+    #: Prompt and completion text in spans (`gen_ai.input.messages`,
+    #: `gen_ai.output.messages`). A privacy choice: off, no text ever leaves in a span.
+    capture_content: bool = False
+
+
 class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
@@ -302,6 +311,7 @@ class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
     context: ContextSettings = msgspec.field(default_factory=ContextSettings)
     tail: TailSettings = msgspec.field(default_factory=TailSettings)
     local: LocalSettings = msgspec.field(default_factory=LocalSettings)
+    tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
 
 
 class ConfigError(Exception):

@@ -28,7 +28,7 @@ from tokenpipe.control.deadline import UNBOUNDED, Scope
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
-from tokenpipe.observe import metrics
+from tokenpipe.observe import metrics, tracing
 from tokenpipe.router.policy import Policy
 from tokenpipe.settings import ContextSettings
 
@@ -104,9 +104,27 @@ class ContextBudget:
         obj: dict[str, Any],
         headers: Mapping[str, str],
         scope: Scope = UNBOUNDED,
+        trace: tracing.RequestTrace = tracing.OFF,
     ) -> ContextOutcome:
         """Fits `obj` (the request as sent, changed in place) into the model's window; a
-        summary call waits within the request's `scope`."""
+        summary call waits within the request's `scope`. Traced: a `context` span, with the
+        summary call's span below it."""
+        if not trace.on:
+            return await self._apply(kind, req, obj, headers, scope, trace)
+        with trace.step("context") as span:
+            out = await self._apply(kind, req, obj, headers, scope, trace.under(span))
+            span.set("tokenpipe.context.report", out.headers.get(REPORT_HEADER, "unchanged"))
+            return out
+
+    async def _apply(
+        self,
+        kind: type[Any],
+        req: Any,
+        obj: dict[str, Any],
+        headers: Mapping[str, str],
+        scope: Scope,
+        trace: tracing.RequestTrace,
+    ) -> ContextOutcome:
         if kind is not schema.ChatRequest and kind is not schema.CompletionRequest:
             return UNCHANGED  # budgeted only for chat and text completions (so far)
         policy = self.policy(req.model, headers)
@@ -117,7 +135,7 @@ class ContextBudget:
             return UNCHANGED
         counter = await self.lookup.counter(req.model)
         if kind is schema.ChatRequest:
-            return await self._chat(req, obj, counter, window, policy, scope)
+            return await self._chat(req, obj, counter, window, policy, scope, trace)
         return self._text(req, obj, counter, window)
 
     def _limits(
@@ -172,6 +190,7 @@ class ContextBudget:
         window: int,
         policy: str,
         scope: Scope,
+        trace: tracing.RequestTrace,
     ) -> ContextOutcome:
         messages: list[dict[str, Any]] = obj["messages"]
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -223,7 +242,7 @@ class ContextBudget:
         note = ""
         new_messages = [*system, *kept]
         if policy == "summarize":
-            text, note = await self.summarizer.summarize(req.model, messages, older, scope)
+            text, note = await self.summarizer.summarize(req.model, messages, older, scope, trace)
             if text is not None:
                 done = "summarize"
                 at = next(

@@ -21,7 +21,7 @@ from tokenpipe.control.deadline import UNBOUNDED, Scope
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.dialects import CHAT
 from tokenpipe.errors import GatewayError
-from tokenpipe.observe import metrics
+from tokenpipe.observe import metrics, tracing
 from tokenpipe.router.attempt import Request
 from tokenpipe.router.policy import Policy
 from tokenpipe.router.route import open_route
@@ -57,9 +57,11 @@ class Summarizer:
         messages: list[dict[str, Any]],
         older: list[dict[str, Any]],
         scope: Scope = UNBOUNDED,
+        trace: tracing.RequestTrace = tracing.OFF,
     ) -> tuple[str | None, str]:
         """(summary of `older` or None to truncate instead, what happened for the header).
-        The wait is bounded by `summary_deadline_seconds` and the request's `scope`."""
+        The wait is bounded by `summary_deadline_seconds` and the request's `scope`. A call
+        made is a CLIENT span under `trace` (one reused from the cache is none)."""
         convo = [m for m in messages if m.get("role") not in plan.KEPT_ROLES]
         n = len(older)
         hashes = summary.prefix_hashes(convo[:n])
@@ -73,7 +75,7 @@ class Summarizer:
             # (asyncio.timeout: wait_for may lose a cancellation, see control/limiter.py)
             async with asyncio.timeout(scope.cap(self.settings.summary_deadline_seconds)):
                 text = await self.cache.once(
-                    hashes[n], lambda: self._write(summarizer, previous, fresh)
+                    hashes[n], lambda: self._write(summarizer, previous, fresh, trace)
                 )
         except TimeoutError:
             metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
@@ -85,7 +87,24 @@ class Summarizer:
         metrics.CONTEXT_SUMMARIES.labels("extended" if previous else "new").inc()
         return text, ("extended" if previous else "new")
 
-    async def _write(self, model: str, previous: str | None, fresh: list[dict[str, Any]]) -> str:
+    async def _write(
+        self,
+        model: str,
+        previous: str | None,
+        fresh: list[dict[str, Any]],
+        trace: tracing.RequestTrace,
+    ) -> str:
+        """One call to the summarising model, its span around it (traced)."""
+        with trace.summary(model) as span:
+            return await self._call(model, previous, fresh, trace.under(span, model))
+
+    async def _call(
+        self,
+        model: str,
+        previous: str | None,
+        fresh: list[dict[str, Any]],
+        trace: tracing.RequestTrace,
+    ) -> str:
         """One call to the summarising model with the previous summary and the new messages."""
         counter = await self.lookup.counter(model)
         window = await self.lookup.window(model)
@@ -130,7 +149,14 @@ class Summarizer:
         ticket = self.tickets(request)
         body = orjson.dumps(request)
         req = Request(
-            model, CHAT, request, body, "ctx-summary-" + request_ids.new(), scope, stream=False
+            model,
+            CHAT,
+            request,
+            body,
+            "ctx-summary-" + request_ids.new(),
+            scope,
+            stream=False,
+            trace=trace,
         )
         usage = None
         status: int | None = None

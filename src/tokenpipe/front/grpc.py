@@ -27,7 +27,7 @@ from tokenpipe.dialects import Piece
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.grpc_gen import chat_pb2, chat_pb2_grpc
-from tokenpipe.observe import logs
+from tokenpipe.observe import logs, tracing
 from tokenpipe.pipeline import Call, Gateway
 from tokenpipe.upstream.errors import UpstreamError
 
@@ -67,7 +67,7 @@ class ChatService(chat_pb2_grpc.ChatServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, e.message)
             return
         try:
-            await _Session(self.gateway, context, key).run(request_iterator)
+            await _Session(self.gateway, context, key, metadata).run(request_iterator)
         except DecodeError:
             # A client's malformed bytes are its mistake, not ours: INVALID_ARGUMENT, no
             # traceback (the session already cancelled whatever the stream had started).
@@ -77,10 +77,14 @@ class ChatService(chat_pb2_grpc.ChatServicer):
 class _Session:
     """One ChatStream call: reads client messages, runs a task per request, writes replies."""
 
-    def __init__(self, gateway: Gateway, context: Any, key: str) -> None:
+    def __init__(
+        self, gateway: Gateway, context: Any, key: str, metadata: dict[str, str] | None = None
+    ) -> None:
         self.gateway = gateway
         self.context = context
         self.key = key
+        #: The call's metadata: its W3C trace context is the parent of each request's span.
+        self.metadata = metadata or {}
         self.requests: dict[str, _Request] = {}
         self.write_lock = asyncio.Lock()
 
@@ -161,15 +165,35 @@ class _Session:
         # with (the client's request_id names it only within this stream).
         request_id = request_ids.new()
         logs.REQUEST_ID.set(request_id)
+        trace = None
+        if tracing.TRACER is not None:  # this request's server span (its task's own context)
+            trace = tracing.serve(
+                "tokenpipe.v1.Chat/ChatStream",
+                self.metadata,
+                {
+                    "rpc.system": "grpc",
+                    "rpc.service": "tokenpipe.v1.Chat",
+                    "rpc.method": "ChatStream",
+                    "tokenpipe.request_id": request_id,
+                },
+            )
+            tracing.CURRENT.set(trace)
+        status = CLIENT_CLOSED
         try:
             await self._serve_unguarded(rid, req, state, request_id)
+            status = 200
         except GatewayError as e:
+            status = e.status
             await self.error(rid, e)
         except asyncio.CancelledError:
             raise
         except Exception:
+            status = 500
             log.exception("gRPC request %s failed", rid)
             await self.error(rid, GatewayError(500, "Internal error in the gateway."))
+        finally:
+            if trace is not None:
+                trace.close(status, http=False)
 
     async def _serve_unguarded(
         self, rid: str, req: chat_pb2.ChatRequest, state: _Request, request_id: str

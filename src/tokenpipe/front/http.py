@@ -22,6 +22,7 @@ from tokenpipe.errors import GatewayError
 from tokenpipe.front import cors, drain, messages
 from tokenpipe.front.answer import respond
 from tokenpipe.front.edge import (
+    CLIENT_CLOSED,
     GATEWAY,
     arrive,
     error_body_of,
@@ -32,7 +33,7 @@ from tokenpipe.front.edge import (
 )
 from tokenpipe.front.embeddings import embeddings
 from tokenpipe.front.responses import responses
-from tokenpipe.observe import logs, metrics
+from tokenpipe.observe import logs, metrics, tracing
 from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Gateway
 
@@ -44,36 +45,65 @@ DRAIN: web.AppKey[drain.Drain] = web.AppKey("drain", drain.Drain)
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every error leaves as JSON in the route's API's shape (OpenAI's unless the route
-    registered another in ERROR_BODIES): ours, aiohttp's (404/405/413), or a bug's."""
+    registered another in ERROR_BODIES): ours, aiohttp's (404/405/413), or a bug's. With
+    tracing on, an API request's server span opens here and ends with the status sent."""
     # Log lines written while serving this request carry its id (observe/logs.py).
-    token = logs.REQUEST_ID.set(request_id(request))
+    rid = request_id(request)
+    token = logs.REQUEST_ID.set(rid)
+    trace = None
+    if tracing.TRACER is not None and request.path.startswith("/v1/"):
+        trace = _server_span(request, rid)
+        trace_token = tracing.CURRENT.set(trace)
+    response: web.StreamResponse | None = None
     try:
-        return await handler(request)
-    except GatewayError as e:
-        return error_response(
-            e, request.get("request_id"), error_body_of(request), timing_of(request)
-        )
-    except web.HTTPException as e:
-        if e.status < 400:
+        try:
+            response = await handler(request)
+        except GatewayError as e:
+            response = error_response(
+                e, request.get("request_id"), error_body_of(request), timing_of(request)
+            )
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            response = error_response(
+                _routing_error(request, e),
+                request.get("request_id"),
+                error_body_of(request),
+                timing_of(request),
+            )
+        except (asyncio.CancelledError, ConnectionResetError):
             raise
-        return error_response(
-            _routing_error(request, e),
-            request.get("request_id"),
-            error_body_of(request),
-            timing_of(request),
-        )
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("internal error on %s", request.path)
-        return error_response(
-            GatewayError(500, "Internal error in the gateway."),
-            request.get("request_id"),
-            error_body_of(request),
-            timing_of(request),
-        )
+        except Exception:
+            log.exception("internal error on %s", request.path)
+            response = error_response(
+                GatewayError(500, "Internal error in the gateway."),
+                request.get("request_id"),
+                error_body_of(request),
+                timing_of(request),
+            )
+        return response
     finally:
+        if trace is not None:  # no response: the client went away
+            trace.close(response.status if response is not None else CLIENT_CLOSED)
+            tracing.CURRENT.reset(trace_token)
         logs.REQUEST_ID.reset(token)
+
+
+def _server_span(request: web.Request, rid: str) -> tracing.RequestTrace:
+    """The request's SERVER span, continuing the client's traceparent, named as the HTTP
+    conventions say (the route's template; the method alone for an unknown route)."""
+    resource = request.match_info.route.resource
+    attributes = {
+        "http.request.method": request.method,
+        "url.path": _safe_path(request),
+        "url.scheme": request.scheme,
+        "tokenpipe.request_id": rid,
+    }
+    name = request.method
+    if resource is not None:
+        attributes["http.route"] = resource.canonical
+        name = f"{request.method} {resource.canonical}"
+    return tracing.serve(name, request.headers, attributes)
 
 
 def _routing_error(request: web.Request, e: web.HTTPException) -> GatewayError:

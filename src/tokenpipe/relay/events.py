@@ -132,6 +132,7 @@ class EventParser:
                 self.record = None
         if piece.usage is not None or piece.finish_reason or piece.end:
             tally = self.tally
+            tally.trace.saw(piece.raw, piece.finish_reason)  # (traced only) model, finish
             if piece.usage:
                 tally.usage = piece.usage
             if piece.error is not None or piece.finish_reason:

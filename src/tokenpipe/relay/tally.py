@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tokenpipe.observe import metrics
+from tokenpipe.observe import metrics, tracing
 
 
 class StreamTally:
-    """The per-request measurements, observed into the metrics when the request ends."""
+    """The per-request measurements, observed into the metrics when the request ends (and
+    into its trace: tracing.OFF when untraced)."""
 
     __slots__ = (
         "chunks",
@@ -22,12 +23,20 @@ class StreamTally:
         "last_token_at",
         "max_gap",
         "started_at",
+        "trace",
         "ttft",
         "usage",
     )
 
-    def __init__(self, upstream: str, model: str, started_at: float) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        model: str,
+        started_at: float,
+        trace: tracing.RequestTrace = tracing.OFF,
+    ) -> None:
         self.labels = (upstream, model)
+        self.trace = trace
         self.started_at = started_at  # time.perf_counter() at request arrival
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
@@ -45,6 +54,7 @@ class StreamTally:
             self.first_token_at = now
             self.ttft = now - self.started_at
             metrics.child(metrics.TTFT, *self.labels).observe(self.ttft)
+            self.trace.first_token(self.ttft)
         else:
             gap = now - self.last_token_at
             self.itl.observe(gap)
@@ -60,6 +70,7 @@ class StreamTally:
         child(metrics.REQUEST_DURATION, upstream, model).observe(end - self.started_at)
         child(metrics.REQUESTS, str(status), upstream, model).inc()
         usage = self.usage
+        tpot = None
         if usage:
             prompt = usage.get("prompt_tokens") or 0
             completion = usage.get("completion_tokens") or 0
@@ -68,3 +79,6 @@ class StreamTally:
             if self.first_token_at is not None and completion > 1:
                 tpot = (self.last_token_at - self.first_token_at) / (completion - 1)
                 child(metrics.TPOT, upstream, model).observe(tpot)
+        self.trace.finish(
+            status, end - self.started_at, self.ttft, tpot, usage, self.chunks, self.deltas
+        )

@@ -14,6 +14,7 @@ from tokenpipe.control.deadline import Scope
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.dialects import Dialect
 from tokenpipe.errors import GatewayError
+from tokenpipe.observe import tracing
 from tokenpipe.router.policy import Policy, prompt_class, retry_after
 from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
 from tokenpipe.upstream.h1 import UpstreamResponse
@@ -28,9 +29,21 @@ BROKEN_BYTES = (sse.SSEProtocolError, UpstreamProtocolError)
 
 class Request:
     """What every send of one request shares: the model, its API, the request as sent (`obj`,
-    `body`), its id, the pace the client asked for, and its deadline scope."""
+    `body`), its id, the pace the client asked for, its deadline scope and its trace (the
+    parent of each send's spans; tracing.OFF: none)."""
 
-    __slots__ = ("body", "cls", "dialect", "model", "obj", "pace", "request_id", "scope", "stream")
+    __slots__ = (
+        "body",
+        "cls",
+        "dialect",
+        "model",
+        "obj",
+        "pace",
+        "request_id",
+        "scope",
+        "stream",
+        "trace",
+    )
 
     def __init__(
         self,
@@ -44,6 +57,7 @@ class Request:
         stream: bool,
         prompt_tokens: int = 0,
         pace: float | None = None,
+        trace: tracing.RequestTrace = tracing.OFF,
     ) -> None:
         self.model = model
         self.dialect = dialect
@@ -54,10 +68,14 @@ class Request:
         self.stream = stream
         self.pace = pace
         self.cls = prompt_class(prompt_tokens)
+        self.trace = trace
 
 
 class Attempt:
-    """One send to one upstream, up to its first content token (streams) or its headers."""
+    """One send to one upstream, up to its first content token (streams) or its headers.
+    `role` (first, retry, hedge, continuation) and `span` are its trace's (tracing.NO_SPAN
+    when untraced); the span ends when the attempt is discarded, or with the route that
+    reads it (router/route.py)."""
 
     __slots__ = (
         "error",
@@ -67,15 +85,21 @@ class Attempt:
         "prefix",
         "reason",
         "resp",
+        "role",
         "sent_at",
+        "span",
         "ticket",
         "upstream",
     )
 
-    def __init__(self, upstream: HttpUpstream, ticket: Ticket, hedge: bool = False) -> None:
+    def __init__(
+        self, upstream: HttpUpstream, ticket: Ticket, hedge: bool = False, role: str = "first"
+    ) -> None:
         self.upstream = upstream
         self.ticket = ticket
         self.hedge = hedge
+        self.role = "hedge" if hedge else role
+        self.span: tracing.Span = tracing.NO_SPAN
         self.resp: UpstreamResponse | None = None
         self.prefix: list[bytes] = []  # bytes read while waiting for the first token
         self.sent_at: float | None = None
@@ -99,6 +123,7 @@ class Attempt:
         if self.resp is not None:
             self.resp.close()
             self.resp = None
+        self.span.end(self.reason or "discarded")
         self.ticket.failed(status)
 
     def failure(self) -> GatewayError:
@@ -140,36 +165,51 @@ async def send(
     the first token of a 200 stream), within `deadline` capped by the request's scope.
     Never raises except on cancellation (then the attempt closes what it opened)."""
     scope = req.scope
+    name = a.upstream.name
+    queued = req.trace.queue(name)
     try:
-        await a.ticket.acquire(a.upstream.name)  # within the queue deadline and the scope
-    except GatewayError as e:  # no capacity in time
-        a.fatal = e
+        await a.ticket.acquire(name)  # within the queue deadline and the scope
+    except BaseException as e:
+        queued.fail(e)
+        if not isinstance(e, GatewayError):
+            raise
+        a.fatal = e  # no capacity in time
         return a
+    u = a.upstream.settings
+    a.span = req.trace.attempt(queued, a.role, name, u.api, u.url)
     a.sent_at = policy.clock.now()
     deadline = scope.cap(deadline)
-    name = a.upstream.name
     try:
         async with asyncio.timeout(deadline):
             try:
                 resp = await a.upstream.post(
-                    req.dialect.path, body, req.request_id, req.stream, pace=req.pace
+                    req.dialect.path,
+                    body,
+                    req.request_id,
+                    req.stream,
+                    pace=req.pace,
+                    trace=a.span.headers(),  # the upstream joins the trace
                 )
             except GatewayError as e:
                 a.error, a.reason = e, "connect"
+                a.span.end("connect")
                 a.ticket.failed(e.status)
                 policy.unhealthy(name)
                 if e.code == PROTOCOL_ERROR:
                     a.fatal = e  # broken bytes: asking again gets the same (not retried)
                 return a
             a.resp = resp
+            a.span.status(resp.status)
             await a.ticket.arrived(resp.status, resp.headers)
             if resp.status == 429 or resp.status >= 500:
                 a.reason = "status_429" if resp.status == 429 else "status_5xx"
+                a.span.mark(a.reason)
                 if resp.status != 429:  # a 429 is the limiter's business, not health
                     policy.unhealthy(name)
                 return a
             if resp.status == 200 and first_token:
                 await _first_token(a, resp, req.dialect)
+                a.span.event("first_token")
             a.first_at = policy.clock.now()
     except TimeoutError:
         if scope.passed():  # the whole-request deadline
@@ -198,6 +238,7 @@ async def send(
             a.fatal = GatewayError(502, str(e), code=PROTOCOL_ERROR)  # not retried
         return a
     except asyncio.CancelledError:
+        a.span.mark("cancelled")  # (unless the race marked it lost already)
         a.discard(None)  # the client left (or a hedge lost): not the upstream's doing
         raise
     policy.healthy(name)
@@ -314,9 +355,13 @@ async def until_answered(
                 )
                 await asyncio.sleep(min(pause, req.scope.left()))
             tries.used += 1
+            # The first send of the request, a retry, or a continuation (a loop of its own).
+            role = "first" if reason is None else "retry"
+            if tries.label == "midstream":
+                role = "continuation"
             a = await send(
                 policy,
-                Attempt(target, ticket()),
+                Attempt(target, ticket(), role=role),
                 req,
                 body,
                 first_token=first_token,

@@ -29,6 +29,12 @@ def _late(seconds: float, bound: str) -> GatewayError:
     )
 
 
+def _hedged(route: Route, outcome: str) -> None:
+    """A hedge's outcome (won, lost, failed, no_budget): counted, and on the request's span."""
+    metrics.child(metrics.HEDGES, outcome).inc()
+    route.req.trace.set("tokenpipe.hedge.outcome", outcome)
+
+
 def _broke() -> GatewayError:
     return GatewayError(
         502, "the upstream connection broke before the first token", code="upstream_unavailable"
@@ -82,6 +88,7 @@ async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> 
         read_body(uresp, parser, acc, until_first=True)
     )
     hedge: asyncio.Task[Attempt] | None = None
+    hedged: Attempt | None = None  # the hedge's attempt (its span marked when it loses)
     try:
         while True:
             waiting: set[asyncio.Task[Any]] = {t for t in (primary, hedge) if t is not None}
@@ -97,19 +104,24 @@ async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> 
                 primary_task, primary = primary, None
                 exc = primary_task.exception()
                 if exc is None:
+                    if hedge is not None and hedged is not None:
+                        hedged.span.mark("lost")  # cancelled below
                     return _primary_won(route, hedge)
                 if acc.write_error is not None or isinstance(exc, BROKEN_BYTES):
                     raise exc  # the client went away, or the upstream's bytes are broken
                 if hedge is None:
                     return await _primary_broke(route, parser, acc)
                 policy.unhealthy(name)  # broke before any content
+                route.span.mark("broken")
                 route.ticket.failed(502)
             if hedge is not None and hedge in done:
                 a = hedge.result()
                 hedge = None
                 if a.streaming:
-                    metrics.child(metrics.HEDGES, "won").inc()
+                    _hedged(route, "won")
+                    a.span.mark("won")
                     if primary is not None:
+                        route.span.mark("lost")
                         try:
                             await cancel(primary)
                         except BaseException:  # the client left meanwhile
@@ -120,7 +132,7 @@ async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> 
                         policy.censored(name, req.model, req.cls)
                         route.ticket.failed(499)
                     return route.switch(a, parser, acc)
-                metrics.child(metrics.HEDGES, "no_budget" if a.fatal else "failed").inc()
+                _hedged(route, "no_budget" if a.fatal else "failed")
                 if a.resp is not None or a.fatal is None:
                     a.discard(a.resp.status if a.resp is not None else 502)
                 if primary is None:
@@ -136,10 +148,14 @@ async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> 
                 for t in (primary, hedge):
                     if t is not None:
                         t.cancel()
+                route.span.mark("deadline")
                 route.ticket.failed(None)
                 raise late()
             if now >= ttft_end:
                 # No content from anyone in time: close all, then retry.
+                route.span.mark("ttft_deadline")
+                if hedge is not None and hedged is not None:
+                    hedged.span.mark("ttft_deadline")
                 if primary is not None:
                     await cancel(primary)
                     primary = None
@@ -153,7 +169,7 @@ async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> 
                 return await _retry(route, parser, acc, "ttft_deadline", late())
             if hedge_at is not None and now >= hedge_at:
                 hedge_at = None
-                attempt = await _hedge(route)
+                attempt = hedged = await _hedge(route)
                 if attempt is not None:
                     hedge = asyncio.create_task(
                         send(
@@ -186,14 +202,17 @@ def _primary_won(route: Route, hedge: asyncio.Task[Attempt] | None) -> UpstreamR
         policy.clock.now() - route.sent_at
     )
     policy.healthy(route.upstream.name)
+    route.span.event("first_token")
     if hedge is not None:
-        metrics.child(metrics.HEDGES, "lost").inc()
+        _hedged(route, "lost")
+        route.span.mark("won")
     return route.uresp
 
 
 async def _primary_broke(route: Route, parser: EventParser, acc: Accumulator) -> UpstreamResponse:
     """The first response broke before any content and no hedge is out: retry."""
     route.policy.unhealthy(route.upstream.name)
+    route.span.mark("broken")
     route.ticket.failed(502)
     return await _retry(route, parser, acc, "connect", _broke())
 
@@ -202,12 +221,12 @@ async def _hedge(route: Route) -> Attempt | None:
     """A second attempt for a request with no first token yet, if the budget allows."""
     policy = route.policy
     if not policy.hedge_budget.try_spend():
-        metrics.child(metrics.HEDGES, "no_budget").inc()
+        _hedged(route, "no_budget")
         return None
     req = route.req
     target = policy.pick(await policy.order(req.model, req.dialect.api), avoid=route.upstream.name)
     if target is None:
-        metrics.child(metrics.HEDGES, "no_budget").inc()
+        _hedged(route, "no_budget")
         return None
     side = route.side_ticket()
     side.deadline = min(

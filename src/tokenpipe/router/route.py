@@ -66,6 +66,7 @@ class Route:
         "req",
         "responses",
         "sent_at",
+        "span",
         "stall",
         "ticket",
         "upstream",
@@ -79,6 +80,9 @@ class Route:
         self.ticket = ticket
         self.upstream: HttpUpstream = a.upstream
         self.uresp: UpstreamResponse = a.resp
+        #: The span of the attempt read now (tracing.NO_SPAN untraced): ends when it is
+        #: replaced (`switch`) or the route closes.
+        self.span = a.span
         self.sent_at = a.sent_at if a.sent_at is not None else policy.clock.now()
         self.stall: float | None = None  # seconds, None: off (set for a stream)
         if req.stream and a.resp.status == 200:
@@ -109,6 +113,8 @@ class Route:
         `a.prefix`; those before the content are dropped (the client has its role chunk)."""
         assert a.resp is not None
         self.uresp.close()
+        self.span.end("replaced")  # its outcome marked by who replaced it (lost, cut, ...)
+        self.span = a.span
         _adopt(self.ticket, a.ticket)
         if a.sent_at is not None and a.first_at is not None:
             self.policy.ttft_estimate(a.upstream.name, self.req.model, self.req.cls).add(
@@ -152,12 +158,14 @@ class Route:
         """The error for a read that timed out: the bound that was hit."""
         scope = self.req.scope
         if scope.passed():
+            self.span.mark("deadline")
             return scope.error(False)
         cap = self.upstream.settings.read_timeout_seconds
         if self.stall is not None and self.stall < cap:
             bound = f"the stall deadline of {self.stall:.3g} s"
         else:
             bound = f"the upstream's read timeout of {cap:.3g} s"
+        self.span.stall(bound)
         return GatewayError(
             504, f"the upstream stopped sending (no bytes within {bound})", code="upstream_timeout"
         )
@@ -166,6 +174,7 @@ class Route:
         """Closes the response and every extra one, and finishes every side ticket, whatever
         one of them raises (the first error is raised at the end)."""
         first: BaseException | None = None
+        self.span.end("answered")  # (won: a race's winner; a failure the client got: its own)
         steps = [self.uresp.close] + [r.close for r in self.responses]
         for step in steps + [t.finish for t in self._side]:
             try:

@@ -47,6 +47,7 @@ async def _read_one(route: Route, parser: EventParser, acc: Accumulator) -> Gate
         watch = StallWatch(now, route.read_deadline, route.gap)
         await read_body(route.uresp, parser, acc, watch)
         if not parser.ended:
+            route.span.mark("cut")
             return GatewayError(
                 502, "the upstream ended the stream early", code="upstream_stream_truncated"
             )
@@ -56,6 +57,7 @@ async def _read_one(route: Route, parser: EventParser, acc: Accumulator) -> Gate
     except GatewayError as e:  # no first token from any attempt
         return e
     except (sse.SSEProtocolError, UpstreamProtocolError) as e:
+        route.span.mark("broken")
         route.uresp.close()
         return GatewayError(502, str(e), code=PROTOCOL_ERROR)
     except TimeoutError:  # names the bound hit: stall, read timeout or the scope
@@ -63,5 +65,6 @@ async def _read_one(route: Route, parser: EventParser, acc: Accumulator) -> Gate
     except UpstreamError:  # the upstream's connection broke mid-stream
         if acc.write_error is not None:
             raise  # the client's side broke first: the writer reports that
+        route.span.mark("cut")
         return GatewayError(502, "the upstream connection broke", code="upstream_stream_truncated")
     return None

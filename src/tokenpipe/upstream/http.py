@@ -2,7 +2,8 @@
 (upstream/h1.py).
 
 Only the configuration chooses where a request goes and which headers it carries: no client
-header, URL or key is forwarded (except the request id, which the gateway itself vetted).
+header, URL or key is forwarded (except the request id, which the gateway itself vetted, and,
+when traced, the W3C trace context of the gateway's own span for the send).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class HttpUpstream:
         stream: bool = False,
         *,
         pace: float | None = None,
+        trace: bytes = b"",
     ) -> h1.UpstreamResponse:
         """Sends a request and returns once the response headers arrived.
 
@@ -124,12 +126,14 @@ class HttpUpstream:
         timeout of the client's own would re-arm a timer on every chunk, i.e. every token.
 
         `pace`: the rate (tokens/s) the client renders at, sent as PACE_HEADER; None or 0:
-        none.
+        none. `trace`: header lines of the send's trace context (`traceparent`, `tracestate`:
+        observe/tracing.py builds them), b"" when untraced.
         """
-        head = b"%sx-request-id: %s\r\n%scontent-length: %d\r\n\r\n" % (
+        head = b"%sx-request-id: %s\r\n%s%scontent-length: %d\r\n\r\n" % (
             self._head("POST", path, _ACCEPT_POST),
             request_id.encode("latin-1"),
             f"{PACE_HEADER}: {pace:g}\r\n".encode() if pace else b"",
+            trace,
             len(body),
         )
         timeout = None if stream else self.settings.read_timeout_seconds

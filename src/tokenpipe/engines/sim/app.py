@@ -163,6 +163,7 @@ class Sim:
             kind,
             time.monotonic(),
             prompt_tokens=prompt_tokens,
+            traceparent=request.headers.get("traceparent"),
         )
         fault = timing.fault
         if fault is not None:
@@ -326,6 +327,7 @@ class Sim:
                     "fault": r.fault,
                     "tokens": r.tokens,
                     "prompt_tokens": r.prompt_tokens,
+                    "traceparent": r.traceparent,
                 }
                 for r in recs
             ],

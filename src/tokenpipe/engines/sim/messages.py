@@ -152,6 +152,7 @@ async def create(sim: Sim, request: web.Request, body: bytes) -> web.StreamRespo
         "messages",
         time.monotonic(),
         prompt_tokens=input_tokens,
+        traceparent=request.headers.get("traceparent"),
     )
     fault = timing.fault
     if fault is not None:

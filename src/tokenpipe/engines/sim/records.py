@@ -16,3 +16,4 @@ class Record:
     ended: float | None = None
     tokens: int = 0
     prompt_tokens: int = 0
+    traceparent: str | None = None  # the W3C trace context the request came with
