@@ -5,12 +5,14 @@ answers, the request path subtracted), interleaved round by round, one sim for b
     python benchmarks/relay_cost.py                       # ~2 min; JSON in results/relay_cost.json
     python benchmarks/relay_cost.py --rounds 5 --concurrency 32
     python benchmarks/relay_cost.py --features-off        # + tokenpipe with its layers off
-    python benchmarks/relay_cost.py --tracing on          # tokenpipe exporting every span
+    python benchmarks/relay_cost.py --tracing off,on,sampled  # one gateway per mode
+    python benchmarks/relay_cost.py --base-src ../old/src  # + tokenpipe of another checkout
 
-`--tracing` sets the gateway's OpenTelemetry environment: `off` (the default: no endpoint),
-`on` (every request sampled, spans batched to an OTLP/HTTP receiver on loopback that only
-counts them, tests/otlp_receiver.py) or `sampled` (the same receiver, 1 request in 100
-sampled: OTEL_TRACES_SAMPLER=traceidratio, OTEL_TRACES_SAMPLER_ARG=0.01).
+`--tracing` (a list) sets each gateway's OpenTelemetry environment: `off` (the default: no
+endpoint), `on` (every request sampled, spans batched to an OTLP/HTTP receiver on loopback
+that only counts them, tests/otlp_receiver.py) or `sampled` (the same receiver, 1 request in
+100 sampled: OTEL_TRACES_SAMPLER=traceidratio, OTEL_TRACES_SAMPLER_ARG=0.01). `--base-src`
+adds a gateway run from another checkout's src/ (PYTHONPATH), for before/after in one run.
 
 The overhead benchmark (`overhead.py`) shows latency and throughput under load; this one says
 where the gateway's CPU goes, which is what sets them once the machine is saturated.
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 from _common import ROOT, bare_relay, cpu_seconds, features_off_config, gateway, write_json
@@ -68,19 +71,28 @@ def _tracing_env(mode: str, receiver: Receiver | None) -> dict[str, str] | None:
     }
 
 
+#: Target names per --tracing mode.
+TRACED_NAMES = {"off": "tokenpipe", "on": "traced-all", "sampled": "traced-1%"}
+
+
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    lean = features_off_config()
-    traced = args.tracing != "off"
-    with (
-        Receiver() if traced else contextlib.nullcontext() as receiver,
-        Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", name="sim") as sim,
-        gateway(sim.url, env=_tracing_env(args.tracing, receiver)) as gw,
-        bare_relay(sim.url) as relay,
-        gateway(sim.url, config=lean) if args.features_off else contextlib.nullcontext() as off,
-    ):
-        targets = {"tokenpipe": gw, "bare-relay": relay}
-        if off is not None:
-            targets["tokenpipe-off"] = off
+    traced = any(mode != "off" for mode in args.tracing)
+    with contextlib.ExitStack() as stack:
+        receiver = stack.enter_context(Receiver()) if traced else None
+        sim = stack.enter_context(
+            Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", name="sim")
+        )
+        targets: dict[str, Service] = {}
+        for mode in args.tracing:
+            env = _tracing_env(mode, receiver)
+            targets[TRACED_NAMES[mode]] = stack.enter_context(gateway(sim.url, env=env))
+        targets["bare-relay"] = stack.enter_context(bare_relay(sim.url))
+        if args.features_off:
+            off = gateway(sim.url, config=features_off_config())
+            targets["tokenpipe-off"] = stack.enter_context(off)
+        if args.base_src:
+            base_env = {"PYTHONPATH": args.base_src}
+            targets["tokenpipe-base"] = stack.enter_context(gateway(sim.url, env=base_env))
         for svc in targets.values():  # warm-up: connections, caches, estimators
             await _cpu_per(svc, args.concurrency, args.concurrency * 2, 4)
         per_request: dict[str, list[float]] = {name: [] for name in targets}
@@ -105,16 +117,24 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
         if receiver is not None:
-            print(f"\nspans exported: {len(receiver.received.spans)} (tracing {args.tracing})")
+            print(f"\nspans exported: {len(receiver.received.spans)}")
         base = next(row for row in rows if row["target"] == "bare-relay")
-        print(f"\n{'target':<13} {'us/request':>11} {'x relay':>8} {'us/token':>9} {'x relay':>8}")
+        print(f"\n{'target':<15} {'us/request':>11} {'x relay':>8} {'us/token':>9} {'x relay':>8}")
         for row in rows:
             print(
-                f"{row['target']:<13} {row['us_per_request']:11.0f} "
+                f"{row['target']:<15} {row['us_per_request']:11.0f} "
                 f"{row['us_per_request'] / base['us_per_request']:8.2f} "
                 f"{row['us_per_token']:9.1f} {row['us_per_token'] / base['us_per_token']:8.2f}"
             )
         return {"rows": rows, "tracing": args.tracing}
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in TRACED_NAMES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"tracing modes are off, on, sampled (got {text!r})")
+    return list(dict.fromkeys(modes))
 
 
 def main() -> None:
@@ -129,12 +149,15 @@ def main() -> None:
     )
     p.add_argument(
         "--tracing",
-        choices=("off", "on", "sampled"),
-        default="off",
-        help="tokenpipe's OpenTelemetry: off, every request, or 1 in 100 (see above)",
+        type=_modes,
+        default=["off"],
+        help="tokenpipe's OpenTelemetry, a list of off, on (every request), sampled (1 in 100)",
     )
+    p.add_argument("--base-src", help="add tokenpipe run from this src/ directory (PYTHONPATH)")
     p.add_argument("--json", default=str(ROOT / "results" / "relay_cost.json"))
     args = p.parse_args()
+    if args.base_src:
+        args.base_src = str(Path(args.base_src).resolve())
     install_uvloop()
     result = asyncio.run(_bench(args))
     write_json(args.json, "relay_cost", args, **result)
