@@ -431,7 +431,7 @@ def sample(samples: dict[str, float], name: str, **labels: str) -> float:
 
 
 async def test_responses_are_counted_like_chat(gateway: procs.Service) -> None:
-    labels = {"model": "sim-model", "upstream": "upstream0"}
+    labels = {"api": "responses", "model": "sim-model", "upstream": "upstream0"}
     before = await metrics(gateway)
     _client(gateway).responses.create(model="sim-model", input=QUESTION)
     await _stream(gateway, {"model": "sim-model", "input": QUESTION})

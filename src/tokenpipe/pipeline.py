@@ -155,7 +155,8 @@ class Gateway:
         changed = ctx.body is not None  # may shorten the request
         if changed:
             ticket.cost = self.traffic.cost(obj)  # the limiter charges what is sent
-        dialect = await self._dialect(dialect or DIALECTS[kind], req.model, obj)
+        native = dialect or DIALECTS[kind]
+        dialect = await self._dialect(native, req.model, obj)
         strip_usage = False
         if req.stream:
             changed = dialect.strip_extensions(obj) or changed
@@ -185,7 +186,7 @@ class Gateway:
         # Limiter wait, deadlines, retries, hedging, fallbacks, circuit breaking (router/).
         route = await open_route(self.policy, request, ticket)
         try:
-            tally = StreamTally(route.upstream.name, req.model, started)
+            tally = StreamTally(route.upstream.name, req.model, started, native.label)
             parser = EventParser(tally, strip_usage, dialect.for_stream())
             return Call(route, tally, ticket, ctx, parser)
         except BaseException:  # no Call to close it: the route ends here
