@@ -83,6 +83,7 @@ async def test_each_api_counts_under_its_own_label(gateway: procs.Service) -> No
         r.get_final_response()
     oai.embeddings.create(model="sim-model", input=["one", "two"])
     oai.chat.completions.create(model="sim-model", messages=msg)  # type: ignore[arg-type]
+    oai.completions.create(model="sim-model", prompt=PROMPT, max_tokens=5)
     m = await metrics(gateway)
 
     def requests(api: str, upstream: str, model: str = "sim-model") -> float:
@@ -94,6 +95,7 @@ async def test_each_api_counts_under_its_own_label(gateway: procs.Service) -> No
     assert requests("responses", "oai") == 1
     assert requests("embeddings", "oai") == 1
     assert requests("chat", "oai") == 1
+    assert requests("completions", "oai") == 1
     streamed = {"api": "messages", "upstream": "claude", "model": CLAUDE}
     assert sample(m, "tokenpipe_ttft_seconds_count", **streamed) == 1
     streamed = {"api": "responses", "upstream": "oai", "model": "sim-model"}
@@ -103,4 +105,4 @@ async def test_each_api_counts_under_its_own_label(gateway: procs.Service) -> No
     assert sample(m, "tokenpipe_tokens_total", kind="prompt", **embeddings) == 2
     assert sample(m, "tokenpipe_inflight_requests", **embeddings) == 0
     seen = {v for k in m for v in re.findall(r'\bapi="([^"]*)"', k)}
-    assert seen == {"chat", "messages", "responses", "embeddings"}
+    assert seen == set(APIS)
