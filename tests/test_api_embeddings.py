@@ -111,6 +111,6 @@ async def test_a_5xx_is_retried_on_the_next_upstream(
     assert [r["status"] for r in stats[0]["records"]] == [500]
     assert [(r["kind"], r["outcome"]) for r in stats[1]["records"]] == [("embeddings", "completed")]
     m = await metrics(gw)
-    labels = {"model": "sim-model", "upstream": "good"}
+    labels = {"api": "embeddings", "model": "sim-model", "upstream": "good"}
     assert sample(m, "tokenpipe_requests_total", status="200", **labels) == 1
     assert sample(m, "tokenpipe_retries_total", reason="status_5xx", outcome="retried") == 1

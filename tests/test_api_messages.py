@@ -290,6 +290,10 @@ def _tokens(gw: procs.Service) -> dict[str, float]:
         )
     }
     return {
-        kind: sum(v for k, v in m.items() if k.startswith(f'tokenpipe_tokens_total{{kind="{kind}"'))
+        kind: sum(
+            v
+            for k, v in m.items()
+            if k.startswith("tokenpipe_tokens_total{") and f'kind="{kind}"' in k
+        )
         for kind in ("prompt", "completion")
     }

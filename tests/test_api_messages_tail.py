@@ -159,7 +159,8 @@ async def test_every_client_disconnect_closes_its_upstream_stream(tmp_path: Path
         await _until(lambda: _no_streams(sim), 3, "every upstream stream to close")
         assert started > 20
         m = await _metrics(gw)
-    assert m.get('tokenpipe_inflight_requests{model="sim-model",upstream="up"}', 0) == 0
+    inflight = 'tokenpipe_inflight_requests{api="messages",model="sim-model",upstream="up"}'
+    assert m.get(inflight, 0) == 0
 
 
 async def _no_streams(sim: procs.Service) -> bool:

@@ -440,7 +440,7 @@ def sample(samples: dict[str, float], name: str, **labels: str) -> float:
 
 
 async def test_responses_are_counted_like_chat(chat_gateway: procs.Service) -> None:
-    labels = {"model": "sim-model", "upstream": "upstream0"}
+    labels = {"api": "responses", "model": "sim-model", "upstream": "upstream0"}
     before = await metrics(chat_gateway)
     _client(chat_gateway).responses.create(model="sim-model", input=QUESTION)
     await _stream(chat_gateway, {"model": "sim-model", "input": QUESTION})

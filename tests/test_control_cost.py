@@ -18,6 +18,18 @@ def test_reservation_is_prompt_plus_max_tokens_times_n() -> None:
     assert c.tokens == c.prompt + 80
 
 
+def test_an_n_that_is_no_choice_count_multiplies_nothing() -> None:
+    """A Messages or native Responses request has no `n`: whatever a client put there is
+    passed on unvalidated, and must neither raise (a list was a 500) nor grow the reservation."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
+    responses = {"input": "hi", "max_output_tokens": 40}
+    for n in ([None], "abc", "5", {}, -3, 0, 10**30, 1e308, True, None):
+        for body in (chat, responses):
+            c = of_request({**body, "n": n})
+            assert (c.max_output, c.default_output) == (40, 256), n
+            assert c.tokens == of_request(body).tokens
+
+
 def test_without_max_tokens_the_default_is_reserved_and_usage_says_the_rest() -> None:
     c = of_request({"prompt": "hello there"}, default_output=256)
     assert c.tokens == 3 + 256

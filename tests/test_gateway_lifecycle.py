@@ -164,7 +164,7 @@ async def test_metrics_count_requests_tokens_and_latency(sim: procs.Service) -> 
     def m(name: str) -> float:
         return samples[_sorted_labels(name)]
 
-    labels = 'model="sim-model",upstream="upstream0"'
+    labels = 'api="chat",model="sim-model",upstream="upstream0"'
     assert m(f'tokenpipe_requests_total{{{labels},status="200"}}') == 3
     assert m(f'tokenpipe_tokens_total{{kind="completion",{labels}}}') == 30
     assert m(f'tokenpipe_tokens_total{{kind="prompt",{labels}}}') > 0

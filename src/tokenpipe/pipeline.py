@@ -179,7 +179,8 @@ class Gateway:
         changed = ctx.body is not None  # may shorten the request
         if changed:
             ticket.cost = self.traffic.cost(obj)  # the limiter charges what is sent
-        dialect = await self._dialect(dialect or DIALECTS[kind], req.model, obj)
+        native = dialect or DIALECTS[kind]
+        dialect = await self._dialect(native, req.model, obj)
         strip_usage = False
         if req.stream:
             changed = dialect.strip_extensions(obj) or changed
@@ -215,7 +216,7 @@ class Gateway:
         timing.upstream_headers = clock.now() - route.sent_at
         timing.queue = route.sent_at - routing
         try:
-            tally = StreamTally(route.upstream.name, req.model, started, trace)
+            tally = StreamTally(route.upstream.name, req.model, started, native.label, trace)
             parser = EventParser(tally, strip_usage, dialect.for_stream())
             return Call(route, tally, ticket, ctx, parser, timing)
         except BaseException:  # no Call to close it: the route ends here

@@ -29,6 +29,8 @@ PER_REPLY = 3
 MAX_OUTPUT_TOKENS = 100_000_000
 #: Usage counts believed from an upstream (tokens); a larger or negative one is ignored.
 MAX_USAGE = 1 << 53
+#: Most choices (`n`) a request is charged for: the chat and completions schemas' own bound.
+MAX_CHOICES = 128
 
 
 def _count(value: Any, bound: float) -> int | None:
@@ -134,7 +136,9 @@ def of_request(
     validated). `output`: the request generates tokens (an embedding does not: no output
     part). Raises a 400 GatewayError for a max_tokens no model could run (above
     MAX_OUTPUT_TOKENS)."""
-    n = obj.get("n") or 1
+    # Chat's and completions' schemas hold `n` to 1..MAX_CHOICES; the other APIs have no such
+    # field and pass a client's `n` on unread (a list there was a 500): it multiplies nothing.
+    n = _count(obj.get("n"), MAX_CHOICES) or 1
     if not output:
         return Cost(_input(obj.get("input")), 0, 0, cap, "input")
     param = "max_completion_tokens" if obj.get("max_completion_tokens") else "max_tokens"
@@ -156,7 +160,7 @@ def of_request(
             param=param,
         )
     count = _count(maximum, MAX_OUTPUT_TOKENS)
-    max_output = count * int(n) if count is not None else None
+    max_output = count * n if count is not None else None
     messages = obj.get("messages")
     if isinstance(messages, list):
         prompt = (
@@ -186,4 +190,4 @@ def of_request(
         param = "prompt"
     elif max_output is None:
         param = "messages"
-    return Cost(prompt, max_output, default_output * int(n), cap, param)
+    return Cost(prompt, max_output, default_output * n, cap, param)

@@ -237,6 +237,7 @@ class CountTokensDialect(MessagesDialect):
     and the key's quota made for it comes back whole."""
 
     name = "count_tokens"
+    label = "messages"  # the metrics' `api`: a route of the Messages API
     path = "/messages/count_tokens"
 
     def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:

@@ -130,8 +130,8 @@ class Piece:
 class Dialect:
     """One API's events, for the relay and the router. Subclasses implement every method.
 
-    `name` is the metric label of the API; `api` the upstream API its requests go to
-    (`upstreams[].api`: only such upstreams are candidates); `path` the upstream path.
+    `name` is the client's API (translations keep it); `api` the upstream API its requests
+    go to (`upstreams[].api`: only such upstreams are candidates); `path` the upstream path.
     """
 
     name = ""
@@ -139,6 +139,12 @@ class Dialect:
     path = ""
     #: It generates tokens (an embedding does not: admission reserves no output for it).
     output = True
+
+    @property
+    def label(self) -> str:
+        """The request metrics' `api` label, one of observe/metrics.APIS: the client's API
+        (a route of another API's family overrides it: count_tokens counts as messages)."""
+        return self.name
 
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool

@@ -83,6 +83,11 @@ ErrorBody = Callable[[GatewayError], bytes]
 #: route takes its shape: those raised before the handler runs (405, the drain's 503) and
 #: those raised below it (auth, an unknown model, a 429 from the limiter) alike.
 ERROR_BODIES: web.AppKey[dict[str, ErrorBody]] = web.AppKey("error_bodies", dict)
+#: Routes that both APIs' clients call (GET /v1/models), by path: (a header, the error shape of
+#: a request that carries it), e.g. Anthropic's for `anthropic-version`, which its SDKs send.
+HEADER_ERROR_BODIES: web.AppKey[dict[str, tuple[str, ErrorBody]]] = web.AppKey(
+    "header_error_bodies", dict
+)
 
 
 def error_response(
@@ -100,9 +105,16 @@ def error_response(
 
 
 def error_body_of(request: web.Request) -> ErrorBody | None:
-    """The error shape of the request's route (None: OpenAI's)."""
+    """The error shape of the request's route, or of its client on a shared route (None:
+    OpenAI's)."""
     bodies = request.app.get(ERROR_BODIES)
-    return bodies.get(request.path) if bodies else None
+    body = bodies.get(request.path) if bodies else None
+    if body is None:
+        shared = request.app.get(HEADER_ERROR_BODIES)
+        entry = shared.get(request.path) if shared else None
+        if entry is not None and entry[0] in request.headers:
+            body = entry[1]
+    return body
 
 
 def request_id(request: web.Request) -> str:

@@ -13,13 +13,12 @@ import logging
 from importlib import resources
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import cors, drain, messages
+from tokenpipe.front import cors, drain, messages, models
 from tokenpipe.front.answer import respond
 from tokenpipe.front.edge import (
     CLIENT_CLOSED,
@@ -172,15 +171,6 @@ async def _completion(
     return await respond(request, call, rid, bool(req.stream), gate)
 
 
-async def list_models(request: web.Request) -> web.Response:
-    request_id(request)
-    gw = request.app[GATEWAY]
-    gw.auth.check(request.headers.get("Authorization"))
-    names = await gw.router.models()
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "tokenpipe"} for n in names]
-    return json_response(200, orjson.dumps({"object": "list", "data": data}))
-
-
 async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(
         body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
@@ -225,7 +215,7 @@ def build_app(gateway: Gateway) -> web.Application:
     messages.install(app)  # /v1/messages, /v1/messages/count_tokens (Anthropic's API)
     app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_get("/v1/models", list_models)
+    models.install(app)  # GET /v1/models, in OpenAI's shape or Anthropic's
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -32,6 +32,7 @@ _children: dict[tuple[object, tuple[str, ...]], Any] = {}
 #: - status: HTTP statuses 100-599 (at most 500 values); anything else is OTHER.
 #: - upstream: configured names only (bounded by the config). kind, reason, outcome,
 #:   policy: fixed sets named in each metric's help. No label carries a key, tenant or path.
+#: - api: APIS, from the route's dialect (`Dialect.label`), never from the client.
 MAX_MODEL_LABELS = 1000
 OTHER = "other"
 _models: set[str] = set()
@@ -78,52 +79,56 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 
 LABELS = ("upstream", "model")
+#: The client APIs, values of the request metrics' `api` label (the route's, translated or not).
+APIS = ("chat", "completions", "responses", "messages", "embeddings")
+#: Labels of the per-request metrics: which API the client spoke, where it went, for what model.
+REQUEST_LABELS = ("api", *LABELS)
 
 # Histograms observed per request or per chunk are the cheap kind (see fasthist.py).
 TTFT = FastHistogram(
     "tokenpipe_ttft_seconds",
     "Time from request arrival to the first content token sent to the client.",
-    LABELS,
+    REQUEST_LABELS,
     buckets=_TTFT_BUCKETS,
     registry=REGISTRY,
 )
 ITL = FastHistogram(
     "tokenpipe_itl_seconds",
     "Gap between consecutive content chunks sent to the client (per chunk).",
-    LABELS,
+    REQUEST_LABELS,
     buckets=_ITL_BUCKETS,
     registry=REGISTRY,
 )
 TPOT = FastHistogram(
     "tokenpipe_tpot_seconds",
     "Time per output token after the first: (end - first token) / (completion tokens - 1).",
-    LABELS,
+    REQUEST_LABELS,
     buckets=_ITL_BUCKETS,
     registry=REGISTRY,
 )
 REQUEST_DURATION = FastHistogram(
     "tokenpipe_request_duration_seconds",
     "Time from request arrival to the end of the response.",
-    LABELS,
+    REQUEST_LABELS,
     buckets=_DURATION_BUCKETS,
     registry=REGISTRY,
 )
 REQUESTS = Counter(
     "tokenpipe_requests",
     "Requests answered, by HTTP status (499: the client went away).",
-    ("status", *LABELS),
+    ("status", *REQUEST_LABELS),
     registry=REGISTRY,
 )
 TOKENS = Counter(
     "tokenpipe_tokens",
     "Tokens, by kind (prompt or completion), as reported by the upstream's usage.",
-    ("kind", *LABELS),
+    ("kind", *REQUEST_LABELS),
     registry=REGISTRY,
 )
 INFLIGHT = Gauge(
     "tokenpipe_inflight_requests",
     "Requests being served right now.",
-    LABELS,
+    REQUEST_LABELS,
     registry=REGISTRY,
 )
 

@@ -33,9 +33,12 @@ class StreamTally:
         upstream: str,
         model: str,
         started_at: float,
+        api: str = "chat",
         trace: tracing.RequestTrace = tracing.OFF,
     ) -> None:
-        self.labels = (upstream, model)
+        # The request metrics' labels (observe/metrics.REQUEST_LABELS); `api` is the route's
+        # (Dialect.label), one of metrics.APIS.
+        self.labels = (api, upstream, model)
         self.trace = trace
         self.started_at = started_at  # time.perf_counter() at request arrival
         self.first_token_at: float | None = None
@@ -47,7 +50,7 @@ class StreamTally:
         self.done = False  # the stream's own last event seen ([DONE]; not an error event)
         self.finished = False  # a finish_reason (or the upstream's error event) seen
         self.ttft: float | None = None
-        self.itl = metrics.child(metrics.ITL, upstream, model)
+        self.itl = metrics.child(metrics.ITL, *self.labels)
 
     def observe_content(self, now: float) -> None:
         if self.first_token_at is None:
@@ -65,20 +68,20 @@ class StreamTally:
 
     def finish(self, status: int) -> None:
         end = time.perf_counter()
-        upstream, model = self.labels
+        labels = self.labels
         child = metrics.child
-        child(metrics.REQUEST_DURATION, upstream, model).observe(end - self.started_at)
-        child(metrics.REQUESTS, str(status), upstream, model).inc()
+        child(metrics.REQUEST_DURATION, *labels).observe(end - self.started_at)
+        child(metrics.REQUESTS, str(status), *labels).inc()
         usage = self.usage
         tpot = None
         if usage:
             prompt = usage.get("prompt_tokens") or 0
             completion = usage.get("completion_tokens") or 0
-            child(metrics.TOKENS, "prompt", upstream, model).inc(prompt)
-            child(metrics.TOKENS, "completion", upstream, model).inc(completion)
+            child(metrics.TOKENS, "prompt", *labels).inc(prompt)
+            child(metrics.TOKENS, "completion", *labels).inc(completion)
             if self.first_token_at is not None and completion > 1:
                 tpot = (self.last_token_at - self.first_token_at) / (completion - 1)
-                child(metrics.TPOT, upstream, model).observe(tpot)
+                child(metrics.TPOT, *labels).observe(tpot)
         self.trace.finish(
             status, end - self.started_at, self.ttft, tpot, usage, self.chunks, self.deltas
         )

@@ -1,0 +1,97 @@
+"""`GET /v1/models`: the models the upstreams serve, in the shape of the client's API.
+
+OpenAI's clients get `{"object": "list", "data": [{"id", "object": "model", ...}]}`. A request
+that carries `anthropic-version` (Anthropic's SDKs always send it) is an Anthropic client's:
+it gets Anthropic's list (`{"data": [{"type": "model", "id", "display_name", "created_at",
+...}], "has_more", "first_id", "last_id"}`, paged by `limit`, `after_id` and `before_id`), its
+key may come as `x-api-key`, and its errors are in Anthropic's shape, as on /v1/messages.
+The gateway knows a model's name only: it is the display name too, and `created_at` is the
+Unix epoch (OpenAI's `created` is 0 alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import orjson
+from aiohttp import web
+
+from tokenpipe.dialects.anthropic import error_json
+from tokenpipe.errors import GatewayError
+from tokenpipe.front.edge import GATEWAY, HEADER_ERROR_BODIES, json_response, request_id
+
+MODELS_PATH = "/v1/models"
+#: The header by which a request says it is an Anthropic client's.
+ANTHROPIC_VERSION = "anthropic-version"
+#: Anthropic's page size: the default and the bounds of `limit`.
+DEFAULT_LIMIT = 20
+MAX_LIMIT = 1000
+#: `created_at` of every model: the gateway has no release date (RFC 3339, UTC).
+_EPOCH = "1970-01-01T00:00:00Z"
+
+
+async def list_models(request: web.Request) -> web.Response:
+    request_id(request)
+    gw = request.app[GATEWAY]
+    headers = request.headers
+    if ANTHROPIC_VERSION in headers:
+        gw.auth.check_any(headers.get("Authorization"), headers.get("x-api-key"))
+        names = await gw.router.models()
+        return json_response(200, orjson.dumps(anthropic_page(names, request.query)))
+    gw.auth.check(headers.get("Authorization"))
+    names = await gw.router.models()
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "tokenpipe"} for n in names]
+    return json_response(200, orjson.dumps({"object": "list", "data": data}))
+
+
+def anthropic_page(names: list[str], query: Mapping[str, str]) -> dict[str, object]:
+    """One page of Anthropic's list of `names` (sorted). The cursors are positions in that
+    order: `after_id` pages forward from a name, `before_id` back; either may name a model
+    that is no longer listed. `has_more`: more lie beyond the page in its direction."""
+    limit = _limit(query.get("limit"))
+    after, before = query.get("after_id"), query.get("before_id")
+    if after is not None and before is not None:
+        raise GatewayError(400, "Use either after_id or before_id, not both.", param="after_id")
+    if before is not None:
+        earlier = [n for n in names if n < before]
+        page = earlier[-limit:]
+        has_more = len(earlier) > limit
+    else:
+        later = [n for n in names if after is None or n > after]
+        page = later[:limit]
+        has_more = len(later) > limit
+    return {
+        "data": [
+            {
+                "type": "model",
+                "id": n,
+                "display_name": n,
+                "created_at": _EPOCH,
+                "lifecycle": "active",
+            }
+            for n in page
+        ],
+        "has_more": has_more,
+        "first_id": page[0] if page else None,
+        "last_id": page[-1] if page else None,
+    }
+
+
+def _limit(value: str | None) -> int:
+    if value is None:
+        return DEFAULT_LIMIT
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LIMIT:
+        raise GatewayError(400, f"limit must be an integer from 1 to {MAX_LIMIT}.", param="limit")
+    return limit
+
+
+def install(app: web.Application) -> None:
+    """Adds the route; its errors take Anthropic's shape for an Anthropic client's request."""
+    app.router.add_get(MODELS_PATH, list_models)
+    if HEADER_ERROR_BODIES not in app:
+        app[HEADER_ERROR_BODIES] = {}
+    app[HEADER_ERROR_BODIES][MODELS_PATH] = (ANTHROPIC_VERSION, error_json)
