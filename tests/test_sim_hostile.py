@@ -73,3 +73,14 @@ async def test_clients_that_go_away_mid_stream_leave_no_traceback() -> None:
     assert stats["outcomes"] == {"cancelled": n}
     out = s.output()
     assert "Traceback" not in out and "ClientConnectionResetError" not in out, out[-2000:]
+
+
+async def test_a_responses_request_with_broken_tools_is_a_400(sim: procs.Service) -> None:
+    # Found by the gateway's fuzz test through a native /v1/responses: the sim echoes `tools`
+    # into its response object and answered 500 on `tools: [null]`.
+    body = {"model": "sim-model", "input": "hi", "tools": [None]}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(sim.url + "/v1/responses", json=body) as r,
+    ):
+        assert r.status == 400, await r.text()

@@ -21,6 +21,11 @@ _EVENT = b"event: "
 def prompt_of(req: dict[str, Any]) -> tuple[str, int]:
     """The prompt text of a Responses request (what the words continue, where directives
     are read) and its tokens as the sim counts them. Raises TypeError/KeyError when broken."""
+    tools = req.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise TypeError("tools")  # echoed in the response object: a 400 now, not a 500 there
     texts = [req["instructions"]] if isinstance(req.get("instructions"), str) else []
     source = req["input"]
     items = [{"content": source}] if isinstance(source, str) else list(source)
