@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests import procs
+from tests.polling import until
 from tokenpipe.engines.local.model import installed
 
 pytestmark = [
@@ -154,3 +155,25 @@ def test_40_turn_conversation_is_summarized_and_the_summary_reused_next_turn(
     ]
     # Only the newly dropped turns (and the previous summary) went to the summariser.
     assert all(s["prompt_tokens"] < first[0]["prompt_tokens"] / 2 for s in second)
+
+
+async def test_a_configured_model_loads_its_tokenizer_before_any_request(
+    sim: procs.Service, tmp_path: Any
+) -> None:
+    # Without the warm-up (context/lookup.warm) the first request loaded the GGUF vocabulary
+    # itself: Server-Timing showed `context;dur=686` on make run's first request.
+    config = tmp_path / "gw.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "upstreams": [{"name": "sim", "url": sim.url + "/v1"}],
+                "context": {"models": [{"name": MODEL}]},
+            }
+        )
+    )
+    with procs.gateway("--config", str(config), "--log-level", "info") as gw:
+
+        async def loaded() -> bool:
+            return f"context: {MODEL} counts tokens with gguf:" in gw.output()
+
+        await until(loaded, 60, "the tokenizer loaded at start")

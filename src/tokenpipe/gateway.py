@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
@@ -39,8 +40,13 @@ async def _run(settings: Settings, sock: socket.socket | None) -> None:
     def draining() -> None:
         gw.draining = True
 
+    warming: set[asyncio.Task[None]] = set()  # held until done (the loop keeps weak refs)
+
     async def start_grpc() -> None:
         nonlocal grpc_server
+        task = asyncio.create_task(gw.context.lookup.warm())  # in a thread, while serving
+        warming.add(task)
+        task.add_done_callback(warming.discard)
         if settings.server.grpc_port:
             from tokenpipe.front import grpc as front_grpc  # grpc loads only when used
 
@@ -49,6 +55,8 @@ async def _run(settings: Settings, sock: socket.socket | None) -> None:
             )
 
     async def stop_grpc() -> None:
+        for task in warming:
+            task.cancel()
         if grpc_server is not None:
             # Stops accepting, lets open streams finish for the drain time, then cancels them.
             await grpc_server.stop(settings.server.drain_seconds)

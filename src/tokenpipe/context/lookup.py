@@ -63,6 +63,15 @@ class ModelLookup:
                 self._gguf_windows[path] = None
         return self._gguf_windows[path]
 
+    async def warm(self) -> None:
+        """Loads the counters of the configured models before any request needs one (a GGUF
+        vocabulary takes about a second: without this the first request waits for it)."""
+        for model in self.models:
+            try:
+                await self.counter(model)
+            except ValueError as e:  # a bad tokenizer spec: its first request says so
+                log.warning("context: %s: %s", model, e)
+
     async def counter(self, model: str) -> tokens.TokenCounter:
         """The model's counter; the first use loads its tokenizer off the event loop (a GGUF
         vocabulary takes about a second). Two first requests at once may both load it."""
