@@ -216,6 +216,19 @@ async def test_cors_allows_only_the_configured_origins_streams_included(
                 assert r.status == 204
                 assert r.headers["Access-Control-Allow-Origin"] == "http://app.example"
                 assert "authorization" in r.headers["Access-Control-Allow-Headers"]
+            # The Anthropic SDK in a browser asks for its own headers, by family.
+            sdk = {
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "x-api-key, anthropic-version, "
+                "anthropic-dangerous-direct-browser-access, x-stainless-os, x-evil",
+            }
+            messages = g.url + "/v1/messages"
+            async with s.options(messages, headers={"Origin": "http://app.example", **sdk}) as r:
+                assert r.status == 204
+                allowed = {h.strip() for h in r.headers["Access-Control-Allow-Headers"].split(",")}
+                assert {"x-api-key", "anthropic-version", "x-stainless-os"} <= allowed
+                assert "anthropic-dangerous-direct-browser-access" in allowed
+                assert "x-evil" not in allowed
             async with s.options(url, headers={"Origin": "http://evil.example", **pre}) as r:
                 assert r.status == 403
                 assert "Access-Control-Allow-Origin" not in r.headers

@@ -8,14 +8,30 @@ middleware could add headers; `on_response_prepare` sees every response in time.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from aiohttp import web
 
 _ALLOW_HEADERS = (
     "authorization, content-type, x-request-id, x-tokenpipe-max-tokens-per-second, "
-    "x-tokenpipe-context-policy, x-tokenpipe-deadline-seconds"
+    "x-tokenpipe-context-policy, x-tokenpipe-deadline-seconds, x-api-key"
 )
+#: Families of headers the official SDKs send from a browser (the Anthropic SDK's
+#: `anthropic-version`/`-beta`/`-dangerous-direct-browser-access`, both SDKs' `x-stainless-*`
+#: platform headers): allowed by name when a preflight asks for them.
+_SDK_PREFIXES = ("anthropic-", "x-stainless-")
+#: Names of a preflight's requested headers echoed at most (more are not allowed).
+_MAX_ECHOED = 32
+_NAME = re.compile(r"[a-z0-9-]{1,64}")
+
+
+def _allowed_headers(requested: str) -> str:
+    names = (h.strip().lower() for h in requested.split(",", _MAX_ECHOED)[:_MAX_ECHOED])
+    sdk = [h for h in names if h.startswith(_SDK_PREFIXES) and _NAME.fullmatch(h)]
+    return ", ".join([_ALLOW_HEADERS, *sdk]) if sdk else _ALLOW_HEADERS
+
+
 _EXPOSE_HEADERS = (
     "x-request-id, retry-after, x-ratelimit-limit-requests, x-ratelimit-limit-tokens, "
     "x-ratelimit-remaining-requests, x-ratelimit-remaining-tokens, "
@@ -48,7 +64,9 @@ def install(app: web.Application, origins: list[str]) -> None:
                 status=204,
                 headers={
                     "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                    "Access-Control-Allow-Headers": _ALLOW_HEADERS,
+                    "Access-Control-Allow-Headers": _allowed_headers(
+                        request.headers.get("Access-Control-Request-Headers", "")
+                    ),
                     "Access-Control-Max-Age": _MAX_AGE,
                 },
             )
