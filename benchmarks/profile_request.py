@@ -34,7 +34,8 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from _common import ROOT, cpu_seconds, gateway
+import psutil
+from _common import ROOT, bare_relay, gateway
 
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
@@ -99,8 +100,12 @@ def _stacks(raw: Path) -> Iterator[tuple[list[tuple[str, str]], int]]:
         yield frames, int(count)
 
 
-def analyse(raw: Path, requests: int, rate_hz: int, top: int) -> None:
-    """Prints samples by layer (own time), by function (own and cumulative), as us/request."""
+def analyse(raw: Path, requests: int, rate_hz: int, top: int, cpu_us: float | None) -> None:
+    """Prints samples by layer (own time), by function (own and cumulative), as a share of
+    the samples and as microseconds per request: the share of `cpu_us` (the CPU measured per
+    request) when given, else of the sampled time. py-spy samples wall time while a thread is
+    not idle, which includes time preempted on a busy machine: the shares, not the sampled
+    microseconds, are what to read."""
     own_layer: Counter[str] = Counter()
     own_func: Counter[str] = Counter()
     cum_func: Counter[str] = Counter()
@@ -109,11 +114,13 @@ def analyse(raw: Path, requests: int, rate_hz: int, top: int) -> None:
         total += n
         layer = None
         for _func, path in reversed(frames):
+            if "asyncio/runners" in path:  # nothing of ours below: the loop's C code
+                layer = _LOOP
+                break
             layer = _layer(path)
             if layer is not None:
                 break
-        if layer is None:
-            layer = _LOOP if frames and "runners" in frames[-1][1] else "other (stdlib, libs)"
+        layer = layer or "other (stdlib, libs)"
         own_layer[layer] += n
         leaf_func, leaf_path = frames[-1]
         own_func[f"{leaf_func} ({_short(leaf_path)})"] += n
@@ -122,8 +129,12 @@ def analyse(raw: Path, requests: int, rate_hz: int, top: int) -> None:
     us = 1e6 / rate_hz / requests  # microseconds per request of one sample
     print(
         f"\n{total} samples at {rate_hz} Hz over {requests} requests: "
-        f"{total * us:.0f} us sampled per request\n"
+        f"{total * us:.0f} us sampled per request"
+        + (f", shown as shares of the {cpu_us:.0f} us of CPU measured" if cpu_us else "")
+        + "\n"
     )
+    if cpu_us:
+        us = cpu_us / total
     print(f"{'layer (own time, callees in stdlib charged to it)':<52} {'us/req':>7} {'share':>6}")
     for name, n in own_layer.most_common():
         print(f"{name:<52} {n * us:7.1f} {n / total:6.1%}")
@@ -145,9 +156,16 @@ def _gateway(sim_url: str, src: str) -> Service:
     return gateway(sim_url, env={"PYTHONPATH": src})
 
 
-async def _load(svc: Service, concurrency: int, requests: int) -> float:
-    """CPU seconds of the gateway per request for `requests` 1-token requests."""
-    before = cpu_seconds(svc.pid)
+def _cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process so far."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user, times.system
+
+
+async def _load(svc: Service, concurrency: int, requests: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of the gateway per request for `requests` 1-token
+    requests."""
+    user, system = _cpu(svc.pid)
     result = await run_load(
         svc.url + "/v1",
         MODEL,
@@ -159,7 +177,8 @@ async def _load(svc: Service, concurrency: int, requests: int) -> float:
     errors = sum(1 for r in result.records if not r.ok)
     if errors:
         print(f"  {errors} of {requests} requests failed", flush=True)
-    return (cpu_seconds(svc.pid) - before) / requests
+    user2, system2 = _cpu(svc.pid)
+    return (user2 - user) / requests, (system2 - system) / requests
 
 
 async def _profile(svc: Service, args: argparse.Namespace) -> None:
@@ -181,11 +200,15 @@ async def _profile(svc: Service, args: argparse.Namespace) -> None:
         stderr=subprocess.STDOUT,
     )
     await asyncio.sleep(1.0)  # py-spy attaches
-    cpu = await _load(svc, args.concurrency, args.profile_requests)
+    user, system = await _load(svc, args.concurrency, args.profile_requests)
+    cpu = user + system
     spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
     await asyncio.wait_for(spy.wait(), 30)
-    print(f"\nprofiled: {cpu * 1e6:.0f} us of gateway CPU per request (py-spy attached)")
-    analyse(raw, args.profile_requests, args.rate, args.top)
+    print(
+        f"\nprofiled: {cpu * 1e6:.0f} us of gateway CPU per request (py-spy attached), "
+        f"{system / cpu:.0%} of it in the kernel"
+    )
+    analyse(raw, args.profile_requests, args.rate, args.top, cpu * 1e6)
 
 
 async def _bench(args: argparse.Namespace) -> None:
@@ -194,25 +217,34 @@ async def _bench(args: argparse.Namespace) -> None:
         Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", name="sim") as sim,
         _gateway(sim.url, here) as gw,
         _gateway(sim.url, args.base) if args.base else contextlib.nullcontext() as base,
+        bare_relay(sim.url) if args.relay else contextlib.nullcontext() as relay,
     ):
         targets = {"this tree": gw}
         if base is not None:
             targets["base"] = base
+        if relay is not None:
+            targets["bare relay"] = relay
         for svc in targets.values():  # warm-up: connections, caches, estimators
             await _load(svc, args.concurrency, args.concurrency * 8)
         if args.profile:
             await _profile(gw, args)
-        if base is None:
+        if len(targets) == 1:
             return
-        per: dict[str, list[float]] = {name: [] for name in targets}
+        per: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
         for r in range(args.rounds):
             order = list(targets.items())[r % 2 :] + list(targets.items())[: r % 2]
             for name, svc in order:
-                per[name].append(await _load(svc, args.concurrency, args.requests) * 1e6)
+                per[name].append(await _load(svc, args.concurrency, args.requests))
         print(f"\nCPU per request, 1-token requests, {args.rounds} rounds of {args.requests}:")
+        print(f"  {'target':<11} {'us':>6} {'user':>6} {'system':>6}  rounds (us)")
         for name, rounds in per.items():
-            cells = ", ".join(f"{v:.0f}" for v in rounds)
-            print(f"  {name:<10} {statistics.median(rounds):6.0f} us  (rounds {cells})")
+            total = [(u + k) * 1e6 for u, k in rounds]
+            user = statistics.median(u * 1e6 for u, _ in rounds)
+            system = statistics.median(k * 1e6 for _, k in rounds)
+            cells = ", ".join(f"{v:.0f}" for v in total)
+            print(
+                f"  {name:<11} {statistics.median(total):6.0f} {user:6.0f} {system:6.0f}  {cells}"
+            )
 
 
 def main() -> None:
@@ -225,13 +257,15 @@ def main() -> None:
     p.add_argument("--raw", default=str(ROOT / "results" / "profile_request.txt"))
     p.add_argument("--base", help="src directory of a checkout to compare against")
     p.add_argument("--analyse", metavar="RAW", help="only print the tables of a kept --raw file")
+    p.add_argument("--cpu-us", type=float, help="with --analyse: CPU us per request measured")
+    p.add_argument("--relay", action="store_true", help="the bare relay in the A/B rounds too")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=800, help="1-token requests per A/B round")
     args = p.parse_args()
     if args.base:
         args.base = os.path.abspath(args.base)
     if args.analyse:
-        analyse(Path(args.analyse), args.profile_requests, args.rate, args.top)
+        analyse(Path(args.analyse), args.profile_requests, args.rate, args.top, args.cpu_us)
         return
     install_uvloop()
     asyncio.run(_bench(args))
