@@ -156,6 +156,12 @@ def _gateway(sim_url: str, src: str) -> Service:
     return gateway(sim_url, env={"PYTHONPATH": src})
 
 
+def _pin(pid: int, cpu: int) -> None:
+    """Every thread of `pid` on `cpu` only."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+
+
 def _cpu(pid: int) -> tuple[float, float]:
     """(user, system) CPU seconds of a process so far."""
     times = psutil.Process(pid).cpu_times()
@@ -224,6 +230,11 @@ async def _bench(args: argparse.Namespace) -> None:
             targets["base"] = base
         if relay is not None:
             targets["bare relay"] = relay
+        if args.pin:  # the gateways on CPU 0; this process (client, py-spy) and the sim on 1
+            for svc in targets.values():
+                _pin(svc.pid, 0)
+            _pin(sim.pid, 1)
+            _pin(os.getpid(), 1)
         for svc in targets.values():  # warm-up: connections, caches, estimators
             await _load(svc, args.concurrency, args.concurrency * 8)
         if args.profile:
@@ -258,6 +269,12 @@ def main() -> None:
     p.add_argument("--base", help="src directory of a checkout to compare against")
     p.add_argument("--analyse", metavar="RAW", help="only print the tables of a kept --raw file")
     p.add_argument("--cpu-us", type=float, help="with --analyse: CPU us per request measured")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="gateways on CPU 0, the rest on CPU 1: no sample is taken while a gateway waits "
+        "for a CPU (a profile of CPU, not of the machine's contention)",
+    )
     p.add_argument("--relay", action="store_true", help="the bare relay in the A/B rounds too")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=800, help="1-token requests per A/B round")
