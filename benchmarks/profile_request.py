@@ -2,16 +2,24 @@
 while 1-token requests go through it, the samples grouped by layer of the request path; and,
 with `--base`, the CPU per request of this tree against another one's, interleaved.
 
-    python benchmarks/profile_request.py                        # ~30 s: profile table
-    python benchmarks/profile_request.py --base ../base/src     # + A/B CPU per request
-    python benchmarks/profile_request.py --no-profile --base ../base/src --rounds 5
+    python benchmarks/profile_request.py --pin                  # ~10 s: the profile table
+    python benchmarks/profile_request.py --pin --no-profile --base ../base/src --relay
+    python benchmarks/profile_request.py --pin --relay --profile-target "bare relay"
+    python benchmarks/profile_request.py --analyse results/profile_request.txt --cpu-us 450
 
 `--base SRC`: the `src` directory of another checkout (e.g. `git worktree add --detach
 ../base main`); its gateway runs with PYTHONPATH=SRC, this tree's with this tree's `src`.
-CPU per request is measured as relay_cost.py does (user + system seconds of the gateway's
-process over the requests of a round, 1-token answers, rounds interleaved, medians).
+`--relay`: the bare aiohttp relay (bare_relay.py) as well. CPU per request is measured as
+relay_cost.py does (user + system seconds of the serving process over the requests of a
+round, 1-token answers, rounds interleaved, medians), split into user and kernel time.
 
-The profile: `py-spy record --nonblocking` on the gateway's pid (it needs ptrace rights on
+`--pin` puts the gateways on CPU 0 and everything else (this process: the client and py-spy;
+the sim) on CPU 1. Use it: py-spy samples a thread that is not idle, also while it waits for a
+CPU, and unpinned on 2 cores the gateway is preempted at every write that wakes the sim or
+the client, which charges those waits to the write sites (unpinned, 910 us were sampled per
+request against 515 us of CPU; pinned, 478 against 475).
+
+The profile: `py-spy record --nonblocking` on the target's pid (it needs ptrace rights on
 it: same user and no Yama restriction, or root). Samples are charged to the innermost frame
 of a layer of the path; a frame of the standard library or of a small library (enum, re,
 typing, multidict's Python part) is charged to the layer that called it. Samples with no
@@ -65,6 +73,8 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("logging", r"tokenpipe/observe/logs\.py|/logging/"),
     ("usage", r"tokenpipe/usage\.py"),
     ("tokenpipe: other", r"tokenpipe/"),
+    ("bare relay's handler", r"benchmarks/bare_relay\.py"),
+    ("aiohttp client", r"aiohttp/(client|connector|cookiejar|payload|tracing|resolver)"),
     ("aiohttp web server", r"aiohttp/(web|http|streams|helpers|base_protocol|tcp_helpers)"),
     ("aiohttp: other", r"aiohttp/"),
     ("asyncio (tasks, timeouts)", r"asyncio/(?!runners)"),
@@ -238,7 +248,7 @@ async def _bench(args: argparse.Namespace) -> None:
         for svc in targets.values():  # warm-up: connections, caches, estimators
             await _load(svc, args.concurrency, args.concurrency * 8)
         if args.profile:
-            await _profile(gw, args)
+            await _profile(targets[args.profile_target], args)
         if len(targets) == 1:
             return
         per: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
@@ -263,6 +273,12 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--profile-requests", type=int, default=4000)
     p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument(
+        "--profile-target",
+        default="this tree",
+        choices=("this tree", "base", "bare relay"),
+        help="what is profiled (base and bare relay need --base and --relay)",
+    )
     p.add_argument("--rate", type=int, default=1000, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=30, help="functions listed")
     p.add_argument("--raw", default=str(ROOT / "results" / "profile_request.txt"))
