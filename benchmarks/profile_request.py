@@ -271,7 +271,7 @@ async def _bench(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--profile-requests", type=int, default=4000)
+    p.add_argument("--profile-requests", type=int, default=6000)
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument(
         "--profile-target",
