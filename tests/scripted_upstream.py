@@ -27,6 +27,7 @@ class FakeConn:
 
     def __init__(self) -> None:
         self.aborted = False
+        self.finished = False
         self.paused = False
 
     def pause(self) -> None:
@@ -37,6 +38,9 @@ class FakeConn:
 
     def abort(self) -> None:
         self.aborted = True
+
+    def finish(self) -> None:
+        self.finished = True
 
 
 #: How a scripted body ends: True cleanly, False not at all (held open, as a stalled upstream

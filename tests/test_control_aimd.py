@@ -39,3 +39,40 @@ def test_the_limit_never_falls_below_the_minimum() -> None:
     a.sample(1, True)
     a.sample(1, True)
     assert a.limit == 1 and a.allows(0) and not a.allows(1)
+
+
+def _rounds(a: AIMDLimit, n: int) -> list[int]:
+    """Requests let through per round of answers for a burst that fills every permit: the
+    k-th request sent had k in flight when it started (streams outlive their answer), and
+    each round the requests sent in the one before are answered (200)."""
+    answered, sent, let_through = 0, int(a.limit), []
+    for _ in range(n):
+        for k in range(answered + 1, sent + 1):
+            a.sample(inflight=k, dropped=False)
+        answered, sent = sent, int(a.limit)
+        let_through.append(sent - answered)
+    return let_through
+
+
+def test_slow_start_doubles_each_round_of_answers_until_the_first_drop() -> None:
+    assert _rounds(AIMDLimit(32, maximum=4096, clock=ManualClock()), 4) == [17] * 4  # plain
+    a = AIMDLimit(32, maximum=4096, clock=ManualClock(), slow_start=True)
+    assert _rounds(a, 4) == [34, 68, 136, 272]
+    assert a.limit == 542
+    a.sample(inflight=500, dropped=True)
+    assert a.limit == 271 and not a.slow_start  # the last doubling undone
+    a.sample(inflight=271, dropped=False)
+    assert a.limit == 272  # additive from here on
+
+
+def test_a_drop_before_slow_start_grew_costs_what_the_plain_rule_takes() -> None:
+    a = AIMDLimit(32, clock=ManualClock(), slow_start=True, backoff=0.9)
+    a.sample(inflight=10, dropped=True)
+    assert a.limit == 32 * 0.9
+
+
+def test_slow_start_leaves_an_idle_upstream_alone() -> None:
+    a = AIMDLimit(10, clock=ManualClock(), slow_start=True)
+    for _ in range(100):
+        a.sample(inflight=2, dropped=False)
+    assert a.limit == 10

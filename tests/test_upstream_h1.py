@@ -16,7 +16,7 @@ from tests import procs
 from tests.local_app import serving
 from tokenpipe import sse
 from tokenpipe.settings import UpstreamSettings
-from tokenpipe.upstream import h1
+from tokenpipe.upstream import connection, h1
 from tokenpipe.upstream.errors import UpstreamDisconnected, UpstreamUnreachable
 from tokenpipe.upstream.http import HttpUpstream
 
@@ -255,6 +255,73 @@ async def test_closing_an_unfinished_response_closes_its_connection(sim: procs.S
         assert (await resp.read()).endswith(b"data: [DONE]\n\n")
     finally:
         pool.close()
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+_CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def test_an_answered_response_owing_its_last_chunk_keeps_its_connection() -> None:
+    # [DONE] first, the last chunk a moment later (aiohttp's and Starlette's write_eof): the
+    # reader lets the response go at [DONE]; the connection reads the end and is reused.
+    accepted = 0
+    last_chunk = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        while True:
+            try:
+                await _read_head(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(_CHUNKED_HEAD + _chunk(b"data: [DONE]\n\n"))
+            await writer.drain()
+            await last_chunk.wait()
+            last_chunk.clear()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async with pool_for(handle) as pool:
+        for _ in range(3):
+            resp = await pool.request(_get_head(), b"", 5.0)
+            assert await resp.readany() == b"data: [DONE]\n\n"
+            resp.close(answered=True)
+            assert resp.at_eof()
+            last_chunk.set()
+            for _ in range(100):  # until the connection read its end and is idle again
+                if pool._idle:
+                    break
+                await asyncio.sleep(0.01)
+    assert accepted == 1
+
+
+@pytest.mark.parametrize("rest", [b"", _chunk(b"x" * (connection.FINISH_MAX_BYTES + 1))])
+async def test_an_answered_response_that_never_ends_closes_its_connection(
+    monkeypatch: pytest.MonkeyPatch, rest: bytes
+) -> None:
+    # Held open after its last event, or sending on: closed within the bounds, not pooled.
+    monkeypatch.setattr(connection, "FINISH_SECONDS", 0.2)
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_head(reader)
+        writer.write(_CHUNKED_HEAD + _chunk(b"data: [DONE]\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(rest)
+        await reader.read()  # returns when the client closes its end
+        closed.set()
+
+    async with pool_for(handle) as pool:
+        resp = await pool.request(_get_head(), b"", 5.0)
+        assert await resp.readany() == b"data: [DONE]\n\n"
+        resp.close(answered=True)
+        await asyncio.wait_for(closed.wait(), 5.0)
+        assert not pool._idle and pool._open == 0
 
 
 async def test_unreachable_upstream_is_a_connection_error() -> None:

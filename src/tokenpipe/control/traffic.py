@@ -71,7 +71,10 @@ class TrafficControl:
             ceiling = max(1, int(ceiling * share))
             if lim.adaptive_concurrency:
                 conc = AIMDLimit(
-                    min(lim.initial_concurrency, ceiling), maximum=ceiling, clock=clock
+                    min(lim.initial_concurrency, ceiling),
+                    maximum=ceiling,
+                    clock=clock,
+                    slow_start=True,  # a cold burst is not paced by additive increase
                 )
             else:
                 conc = AIMDLimit(ceiling, minimum=ceiling, maximum=ceiling, clock=clock)

@@ -52,8 +52,8 @@ async def _read_one(route: Route, parser: EventParser, acc: Accumulator) -> Gate
                 502, "the upstream ended the stream early", code="upstream_stream_truncated"
             )
         # [DONE] (or the upstream's error event) ends the stream: whatever the upstream sends
-        # after it is not waited for. Its connection goes back to the pool if the body ended.
-        route.uresp.close()
+        # after it is not waited for. Its connection goes back to the pool once the body ends.
+        route.uresp.close(answered=True)
     except GatewayError as e:  # no first token from any attempt
         return e
     except (sse.SSEProtocolError, UpstreamProtocolError) as e:

@@ -33,6 +33,7 @@ class Source(Protocol):
     def pause(self) -> None: ...
     def resume(self) -> None: ...
     def abort(self) -> None: ...
+    def finish(self) -> None: ...
 
 
 class UpstreamResponse:
@@ -182,13 +183,17 @@ class UpstreamResponse:
         parts = [chunk async for chunk in self.iter_any()]
         return b"".join(parts)
 
-    def close(self) -> None:
+    def close(self, answered: bool = False) -> None:
         """Done with the response: a finished one's connection is already back in the pool;
         an unfinished one's is closed (its rest would precede the next response, and the
-        upstream sees the request abandoned)."""
+        upstream sees the request abandoned). `answered`: the answer's last event was read,
+        only the end of the body's framing may be missing: the connection reads it and goes
+        back to the pool (bounded: upstream/connection.py `finish`)."""
         self._eof = True  # first: the abort below must not record an error for this reader
         self._buffer.clear()
         self._size = 0
         conn, self._conn = self._conn, None
-        if conn is not None:
+        if conn is not None and answered:
+            conn.finish()
+        elif conn is not None:
             conn.abort()
