@@ -22,9 +22,8 @@ from typing import Any
 
 import orjson
 
-from tokenpipe import sse
 from tokenpipe.bench.metrics import RequestRecord
-from tokenpipe.bench.stream import _server_phases_from_comment
+from tokenpipe.bench.stream import Recorder, _server_phases_from_comment
 
 # Messages: delta type -> its content field, the gateway's own rule of what a token is
 # (signature and citation deltas carry none), as chat's is `chunk_has_content`.
@@ -74,15 +73,10 @@ def _count(value: Any) -> int | None:
     return value if type(value) is int else None
 
 
-class ResponsesRecorder:
+class ResponsesRecorder(Recorder):
     """One Responses stream. `done` once a terminal event arrived."""
 
-    __slots__ = ("decoder", "done", "record")
-
-    def __init__(self, record: RequestRecord) -> None:
-        self.record = record
-        self.decoder = sse.SSEDecoder()
-        self.done = False
+    __slots__ = ()
 
     def feed(self, data: bytes, now: float) -> None:
         rec = self.record
@@ -135,15 +129,10 @@ class ResponsesRecorder:
             rec.error = "stream ended without response.completed"
 
 
-class MessagesRecorder:
+class MessagesRecorder(Recorder):
     """One Messages stream. `done` once message_stop (or an error event) arrived."""
 
-    __slots__ = ("decoder", "done", "record")
-
-    def __init__(self, record: RequestRecord) -> None:
-        self.record = record
-        self.decoder = sse.SSEDecoder()
-        self.done = False
+    __slots__ = ()
 
     def feed(self, data: bytes, now: float) -> None:
         rec = self.record

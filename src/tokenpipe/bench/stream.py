@@ -99,8 +99,9 @@ def _fast_content(data: bytes) -> bool:
     return False
 
 
-class StreamRecorder:
-    """Feeds socket reads; fills `record`. `done` once `[DONE]` arrived."""
+class Recorder:
+    """One stream's recorder: socket reads go to `feed`, which fills `record` (each API's
+    subclass reads its own events); `done` once the stream's terminal event arrived."""
 
     __slots__ = ("decoder", "done", "record")
 
@@ -108,6 +109,12 @@ class StreamRecorder:
         self.record = record
         self.decoder = sse.SSEDecoder()
         self.done = False
+
+
+class StreamRecorder(Recorder):
+    """Chat and completions streams. `done` once `[DONE]` arrived."""
+
+    __slots__ = ()
 
     def feed(self, data: bytes, now: float) -> None:
         rec = self.record
