@@ -6,19 +6,23 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from tokenpipe.control.flowgate import FlowGate
+from tokenpipe.dialects import Dialect
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import drain
 from tokenpipe.front.edge import (
     CLIENT_CLOSED,
     GATEWAY,
     SSE_HEADERS,
+    Arrival,
     bound_client_buffers,
     json_response,
+    timing_of,
 )
 from tokenpipe.front.sse_out import StreamEnd, emit_sse
 from tokenpipe.observe.server_timing import ENGINE_HEADERS
@@ -89,6 +93,37 @@ async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
         headers.update(GatewayError(429, "").headers)
     headers["Server-Timing"] = call.timing.header(time.perf_counter())
     return status, json_response(status, body, headers)
+
+
+async def serve(
+    request: web.Request,
+    arrival: Arrival,
+    kind: type[Any],
+    req: Any,
+    obj: dict[str, Any],
+    *,
+    stream: bool = False,
+    gate: FlowGate | None = None,
+    dialect: Dialect | None = None,
+    body: bytes | None = None,
+) -> web.StreamResponse:
+    """The rest of every API route once it parsed the request: the call opened through the
+    pipeline (`body`: the bytes to send, if not the client's) and answered (`respond`)."""
+    call = await arrival.gateway.open(
+        kind,
+        req,
+        obj,
+        arrival.body if body is None else body,
+        key=arrival.key,
+        request_id=arrival.rid,
+        started=arrival.started,
+        headers=request.headers,
+        scope=arrival.scope,
+        pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
+        dialect=dialect,
+        timing=timing_of(request),
+    )
+    return await respond(request, call, arrival.rid, stream, gate)
 
 
 async def respond(

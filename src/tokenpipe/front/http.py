@@ -19,7 +19,7 @@ from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import cors, drain, messages, models
-from tokenpipe.front.answer import respond
+from tokenpipe.front.answer import serve
 from tokenpipe.front.edge import (
     CLIENT_CLOSED,
     GATEWAY,
@@ -147,28 +147,15 @@ async def _completion(
     request: web.Request,
     kind: type[schema.ChatRequest] | type[schema.CompletionRequest],
 ) -> web.StreamResponse:
-    started, gw, rid, key, scope, body = await arrive(request)
-    req, obj = schema.parse(body, kind)
+    arrival = await arrive(request)
+    req, obj = schema.parse(arrival.body, kind)
     gate = None
     if req.stream:
         gate = pace_gate(
             request.headers,
             req.stream_options.max_tokens_per_second if req.stream_options else None,
         )
-    call = await gw.open(
-        kind,
-        req,
-        obj,
-        body,
-        key=key,
-        request_id=rid,
-        started=started,
-        headers=request.headers,
-        scope=scope,
-        pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
-        timing=timing_of(request),
-    )
-    return await respond(request, call, rid, bool(req.stream), gate)
+    return await serve(request, arrival, kind, req, obj, stream=bool(req.stream), gate=gate)
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:

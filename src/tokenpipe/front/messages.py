@@ -17,8 +17,8 @@ from aiohttp import web
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import COUNT_TOKENS, MESSAGES, Dialect
 from tokenpipe.dialects import anthropic_schema as schema
-from tokenpipe.front.answer import respond
-from tokenpipe.front.edge import ERROR_BODIES, arrive, timing_of
+from tokenpipe.front.answer import serve
+from tokenpipe.front.edge import ERROR_BODIES, arrive
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -39,24 +39,13 @@ async def _messages(
     kind: type[schema.MessagesRequest] | type[schema.CountTokensRequest],
     dialect: Dialect,
 ) -> web.StreamResponse:
-    started, gw, rid, key, scope, body = await arrive(request, x_api_key=True)
-    req, obj = schema.parse(body, kind)
+    arrival = await arrive(request, x_api_key=True)
+    req, obj = schema.parse(arrival.body, kind)
     gate = pace_gate(request.headers, None) if req.stream else None
-    call = await gw.open(
-        kind,  # not one of the OpenAI schemas: no context budgeting
-        req,
-        obj,
-        body,
-        key=key,
-        request_id=rid,
-        started=started,
-        headers=request.headers,
-        scope=scope,
-        pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
-        dialect=dialect,
-        timing=timing_of(request),
+    # `kind` is not one of the OpenAI schemas: no context budgeting.
+    return await serve(
+        request, arrival, kind, req, obj, stream=bool(req.stream), gate=gate, dialect=dialect
     )
-    return await respond(request, call, rid, bool(req.stream), gate)
 
 
 def install(app: web.Application) -> None:

@@ -24,13 +24,14 @@ from tokenpipe.dialects.responses import ResponsesDialect
 from tokenpipe.dialects.responses_chat import ResponsesViaChat
 from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
 from tokenpipe.errors import GatewayError
-from tokenpipe.front.answer import respond
-from tokenpipe.front.edge import arrive, timing_of
+from tokenpipe.front.answer import serve
+from tokenpipe.front.edge import arrive
 from tokenpipe.pipeline import Gateway
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    started, gw, rid, key, scope, body = await arrive(request)
+    arrival = await arrive(request)
+    body = arrival.body
     req, obj = schema.parse(body, ResponsesRequest)
     gate = None
     if req.stream:
@@ -38,7 +39,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         gate = pace_gate(request.headers, opts.max_tokens_per_second if opts else None)
     kind: type[Any] = ResponsesRequest
     dialect: Dialect
-    if await _native(gw, req.model, scope.left()):
+    if await _native(arrival.gateway, req.model, arrival.scope.left()):
         dialect = ResponsesDialect()  # per request: it numbers the gateway's own error event
     else:
         dialect = ResponsesViaChat(obj)
@@ -48,21 +49,17 @@ async def responses(request: web.Request) -> web.StreamResponse:
         except msgspec.ValidationError as e:  # what the translation let through, chat refuses
             raise GatewayError(400, f"Invalid request: {e}", code="invalid_request") from None
         body, kind = orjson.dumps(obj), schema.ChatRequest
-    call = await gw.open(
+    return await serve(
+        request,
+        arrival,
         kind,
         req,
         obj,
-        body,
-        key=key,
-        request_id=rid,
-        started=started,
-        headers=request.headers,
-        scope=scope,
-        pace=gate.rate if gate is not None else None,
+        stream=bool(req.stream),
+        gate=gate,
         dialect=dialect,
-        timing=timing_of(request),
+        body=body,
     )
-    return await respond(request, call, rid, bool(req.stream), gate)
 
 
 async def _native(gw: Gateway, model: str, limit: float) -> bool:
