@@ -79,12 +79,12 @@ async def test_healthz_answers_while_a_huge_prompt_is_counted(
         status, took = await task
     # The prompt is far over the 4,096-token window: refused after it was counted exactly.
     assert status == 400
-    assert took > 0.3, "the count was too quick to prove anything"
     assert answered >= 3
     print(f"took {took:.2f} s, worst {worst:.3f} s, answered {answered}")
-    # On main the loop was held for the whole count (3-4 s here); a loaded 2-core machine
-    # shows single steps (parsing the 3.5 MB body) of up to ~0.4 s.
-    assert worst < 1.0, f"/healthz waited {worst:.2f} s behind the count"
+    # A loop held for the count makes one /healthz wait about as long as the whole count (3-4 s
+    # on a loaded 2-core machine, 0.3 s on a fast one), so the bound is relative to it. A
+    # loaded machine shows single steps (parsing the 3.5 MB body) of up to ~0.4 s.
+    assert worst < min(1.0, took / 2), f"/healthz waited {worst:.2f} s of a {took:.2f} s count"
 
 
 async def test_too_many_messages_is_a_400_naming_messages(counting_gateway: procs.Service) -> None:
