@@ -1,12 +1,15 @@
-"""Small helpers shared by the benchmarks (process CPU, ports, the processes compared, JSON)."""
+"""Small helpers shared by the benchmarks (process CPU and memory, ports, the processes
+compared, JSON)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -36,6 +39,51 @@ def cpu_seconds(pid: int | None) -> float:
     return total
 
 
+def process_tree(pid: int) -> list[psutil.Process]:
+    """A process and its descendants as they are now (with `serve --workers N`: the parent
+    holding the port, multiprocessing's resource tracker and the N workers)."""
+    p = psutil.Process(pid)
+    return [p, *p.children(recursive=True)]
+
+
+def rss_bytes(procs: list[psutil.Process]) -> int:
+    """The summed resident set of `procs` (0 for those that have exited)."""
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class RssPeak:
+    """The summed RSS of a process tree before a block (`before`) and its peak during it
+    (`peak`, bytes), sampled every `period_s` by a thread: the event loop is busy with the
+    load, a thread wakes on time. The tree is taken once, on entry (it must be complete)."""
+
+    def __init__(self, pid: int, period_s: float = 0.05) -> None:
+        self.procs = process_tree(pid)
+        self.period_s = period_s
+        self.before = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, rss_bytes(self.procs))
+
+    def __enter__(self) -> RssPeak:
+        self.before = self.peak = rss_bytes(self.procs)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes(self.procs))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -47,16 +95,33 @@ def fmt(v: float | None, width: int, digits: int = 2) -> str:
     return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"
 
 
+def src_dir(text: str) -> str:
+    """argparse type of a `--base-src`: another checkout's src/ directory, made absolute (the
+    gateway runs from it, `gateway(src=...)`), refused unless it holds the tokenpipe package."""
+    path = Path(text).resolve()
+    if not (path / "tokenpipe" / "__init__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no tokenpipe/__init__.py (give a src/ dir)")
+    return str(path)
+
+
 def gateway(
     sim_url: str,
     grpc_port: int = 0,
     config: Path | None = None,
     env: dict[str, str] | None = None,
+    src: str | None = None,
+    workers: int = 1,
 ) -> Service:
     """`tokenpipe serve` in front of a sim (base URL without /v1), with its defaults or with
-    `config` (its upstreams replaced by the sim); `env`: more of its environment (OTEL_*)."""
+    `config` (its upstreams replaced by the sim); `env`: more of its environment (OTEL_*);
+    `src`: run it from this src/ directory (another checkout's, `src_dir`), first on its
+    PYTHONPATH, instead of this venv's; `workers`: `serve --workers` (returns once every
+    worker listens)."""
+    if src:
+        path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+        env = {**(env or {}), "PYTHONPATH": path}
     # The later --grpc-port wins over procs.gateway's own "0" (off).
-    return procs.gateway(
+    svc = procs.gateway(
         *(("--config", str(config)) if config else ()),
         "--grpc-port",
         str(grpc_port),
@@ -64,8 +129,17 @@ def gateway(
         sim_url + "/v1",
         "--log-level",
         "warning",
+        *(("--workers", str(workers)) if workers > 1 else ()),
         env=env,
     )
+    if workers > 1:  # Service returned on the first worker's line: wait for the others'
+        deadline = time.monotonic() + 60
+        while svc.output().count(f"listening on {svc.url}\n") < workers:
+            if time.monotonic() > deadline or svc.proc.poll() is not None:
+                svc.stop()
+                raise RuntimeError(f"not all {workers} workers started:\n{svc.output()}")
+            time.sleep(0.05)  # a child's start-up, polled with a deadline
+    return svc
 
 
 def gateway_with(name: str, config: str) -> Service:

@@ -4,11 +4,21 @@ limit starts at `limits.initial_concurrency`, 32).
 
     python benchmarks/burst.py                       # 1,000 streams, 10 tokens/s, 30 tokens
     python benchmarks/burst.py --base ../base/src    # + a gateway of another checkout
+    python benchmarks/burst.py --workers 2           # serve --workers 2 (both gateways)
 
 Each gateway is started fresh for its burst (a cold limit, as after a deploy), one target
 after the other against the same sim; `--rounds` bursts per target, medians of the rounds.
 `limiter wait` is the gateway's own `tokenpipe_limiter_wait_seconds`: its sum over the
-burst's requests and the share of them that waited at all.
+burst's requests and the share of them that waited at all (not shown with `--workers` N > 1:
+each worker keeps its own, and /metrics is answered by one of them).
+
+The gateway's memory per open stream: the summed RSS of its processes (with `--workers N`, the
+parent holding the port, multiprocessing's resource tracker and the N workers: psutil's
+children) sampled every 50 ms during the burst, (peak - RSS just before it) / streams, in KiB;
+its CPU per stream is the same processes' user + system time over the burst. The gateway is
+cold when the burst starts, so what its first requests load (lazy imports, caches) is counted
+in both figures.
+JSON in results/burst.json.
 """
 
 from __future__ import annotations
@@ -16,18 +26,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import statistics
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from _common import ROOT, gateway
+from _common import ROOT, RssPeak, cpu_seconds, fmt, gateway, src_dir, write_json
 
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
 from tokenpipe.serving import install_uvloop
 
 MODEL = "sim-model"
+#: RSS sampling period during a burst.
+SAMPLE_S = 0.05
+
+
+@dataclass
+class Round:
+    """One burst of one target (the gateway's figures None for direct)."""
+
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    failed: int
+    tokens_per_s: float
+    #: tokenpipe_limiter_wait_seconds: (sum of seconds, requests, requests that waited 0 s);
+    #: None with --workers N > 1 (each worker has its own /metrics, one of them answers).
+    limiter_wait: tuple[float, float, float] | None
+    rss_before_mib: float | None
+    rss_peak_mib: float | None
+    rss_kib_per_stream: float | None
+    cpu_ms_per_stream: float | None
+    processes: int | None
 
 
 def _limiter_wait(url: str) -> tuple[float, float, float]:
@@ -48,11 +79,13 @@ def _limiter_wait(url: str) -> tuple[float, float, float]:
 
 
 @contextlib.contextmanager
-def _target(name: str, sim: Service, src: str | None) -> Iterator[tuple[str, Service | None]]:
+def _target(
+    name: str, sim: Service, src: str | None, workers: int
+) -> Iterator[tuple[str, Service | None]]:
     if name == "direct":
         yield sim.url, None
         return
-    with gateway(sim.url, env={"PYTHONPATH": src} if src else None) as gw:
+    with gateway(sim.url, src=src, workers=workers) as gw:
         yield gw.url, gw
 
 
@@ -73,43 +106,120 @@ async def _burst(url: str, args: argparse.Namespace) -> tuple[list[float], int, 
     return ttfts, failed, tokens / max(result.wall_s, 1e-9), result.wall_s
 
 
-async def _bench(args: argparse.Namespace) -> None:
+async def _round(url: str, gw: Service | None, args: argparse.Namespace) -> Round:
+    """One burst against `url`, with the gateway's memory and CPU when there is one (`gw`)."""
+    if gw is None:
+        ttfts, failed, tps, _ = await _burst(url, args)
+        q = statistics.quantiles(ttfts, n=100)
+        return Round(q[49], q[98], failed, tps, (0.0, 0.0, 0.0), None, None, None, None, None)
+    cpu0 = cpu_seconds(gw.pid)
+    with RssPeak(gw.pid, SAMPLE_S) as rss:
+        ttfts, failed, tps, _ = await _burst(url, args)
+    cpu_s = cpu_seconds(gw.pid) - cpu0
+    q = statistics.quantiles(ttfts, n=100)
+    return Round(
+        q[49],
+        q[98],
+        failed,
+        tps,
+        _limiter_wait(url) if args.workers == 1 else None,
+        rss.before / 2**20,
+        rss.peak / 2**20,
+        (rss.peak - rss.before) / 1024 / args.streams,
+        cpu_s * 1e3 / args.streams,
+        len(rss.procs),
+    )
+
+
+def _median(xs: list[float | None]) -> float | None:
+    values = [x for x in xs if x is not None]
+    return statistics.median(values) if values else None
+
+
+def _summary(name: str, rs: list[Round], direct: list[Round]) -> dict[str, Any]:
+    """A target's medians over its rounds, and the rounds themselves."""
+    p50 = statistics.median(x.ttft_p50_ms for x in rs)
+    tps = statistics.median(x.tokens_per_s for x in rs)
+    direct_tps = statistics.median(x.tokens_per_s for x in direct)
+    waits = [x.limiter_wait for x in rs]
+    return {
+        "target": name,
+        "ttft_p50_ms": p50,
+        "ttft_p99_ms": statistics.median(x.ttft_p99_ms for x in rs),
+        "added_ttft_p50_ms": p50 - statistics.median(x.ttft_p50_ms for x in direct),
+        "requests_failed": sum(x.failed for x in rs),
+        "tokens_per_s": tps,
+        "tokens_per_s_vs_direct": tps / (direct_tps or 1.0),
+        "limiter_wait_s": _median([w[0] if w else None for w in waits]),
+        "limiter_waited_share": _median(
+            [((w[1] - w[2]) / w[1] if w[1] else 0.0) if w else None for w in waits]
+        ),
+        "rss_before_mib": _median([x.rss_before_mib for x in rs]),
+        "rss_peak_mib": _median([x.rss_peak_mib for x in rs]),
+        "rss_kib_per_stream": _median([x.rss_kib_per_stream for x in rs]),
+        "cpu_ms_per_stream": _median([x.cpu_ms_per_stream for x in rs]),
+        "rounds": [asdict(x) for x in rs],
+    }
+
+
+def _share(v: float | None) -> str:
+    return f"{'-':>6}" if v is None else f"{v:6.0%}"
+
+
+def _print(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{args.streams} streams at once, {args.tokens} tokens at {args.tokens_per_second:g}/s, "
+        f"TTFT {args.ttft_ms:g} ms at the sim"
+    )
+    if args.workers > 1:
+        print(f"gateways with --workers {args.workers}; wait s, waited: not shown (per worker)")
+    print(
+        f"medians of {args.rounds} round(s); TTFT in ms; KiB and CPU ms per stream: the gateway's"
+    )
+    print(
+        f"{'target':<10} {'p50 ms':>6} {'p99 ms':>6} {'+p50':>7} {'errors':>6} "
+        f"{'x tok/s':>7} {'wait s':>6} {'waited':>6} {'KiB/strm':>8} {'CPU/strm':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['target']:<10} {r['ttft_p50_ms']:6.0f} {r['ttft_p99_ms']:6.0f} "
+            f"{r['added_ttft_p50_ms']:+7.1f} {r['requests_failed']:6d} "
+            f"{r['tokens_per_s_vs_direct']:7.2f} {fmt(r['limiter_wait_s'], 6, 1)} "
+            f"{_share(r['limiter_waited_share'])} {fmt(r['rss_kib_per_stream'], 8, 1)} "
+            f"{fmt(r['cpu_ms_per_stream'], 8, 3)}"
+        )
+    for r in rows:
+        if r["rss_before_mib"] is not None:
+            n = r["rounds"][0]["processes"]
+            print(
+                f"{r['target']}: RSS {r['rss_before_mib']:.1f} MiB before the burst, "
+                f"{r['rss_peak_mib']:.1f} MiB at its peak ({n} process{'es' if n > 1 else ''})"
+            )
+
+
+async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     itl = 1000.0 / args.tokens_per_second
     sim_args = ("--ttft-ms", str(args.ttft_ms), "--itl-ms", f"{itl:g}")
     targets: dict[str, str | None] = {"direct": None, "tokenpipe": str(ROOT / "src")}
     if args.base:
         targets["base"] = args.base
-    rows: dict[str, list[tuple[float, float, int, float, tuple[float, float, float]]]] = {}
+    rounds: dict[str, list[Round]] = {}
     with Service("sim", "--port", "0", *sim_args, name="sim") as sim:
         for r in range(args.rounds):
             for name, src in targets.items():
-                with _target(name, sim, src) as (url, gw):
-                    ttfts, failed, tps, _ = await _burst(url, args)
-                    wait = _limiter_wait(url) if gw is not None else (0.0, 0.0, 0.0)
-                q = statistics.quantiles(ttfts, n=100)
-                rows.setdefault(name, []).append((q[49], q[98], failed, tps, wait))
-                print(f"  round {r + 1} {name}: p50 {q[49]:.0f} ms, p99 {q[98]:.0f} ms", flush=True)
-    print(
-        f"\n{args.streams} streams at once, {args.tokens} tokens at {args.tokens_per_second:g}/s, "
-        f"TTFT {args.ttft_ms:g} ms at the sim; medians of {args.rounds} rounds"
-    )
-    direct = statistics.median(p50 for p50, *_ in rows["direct"])
-    direct_tps = statistics.median(t for *_, t, _ in rows["direct"])
-    print(
-        f"{'target':<10} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'errors':>6} "
-        f"{'x tok/s':>7} {'wait s':>7} {'waited':>7}"
-    )
-    for name, rs in rows.items():
-        p50 = statistics.median(x[0] for x in rs)
-        p99 = statistics.median(x[1] for x in rs)
-        errors = sum(x[2] for x in rs)
-        tps = statistics.median(x[3] for x in rs)
-        wait_s = statistics.median(x[4][0] for x in rs)
-        waited = statistics.median((x[4][1] - x[4][2]) / x[4][1] if x[4][1] else 0.0 for x in rs)
-        print(
-            f"{name:<10} {p50:7.0f} {p99:7.0f} {p50 - direct:+8.1f} {errors:6d} "
-            f"{tps / direct_tps:7.2f} {wait_s:7.1f} {waited:7.0%}"
-        )
+                with _target(name, sim, src, args.workers) as (url, gw):
+                    x = await _round(url, gw, args)
+                rounds.setdefault(name, []).append(x)
+                kib = x.rss_kib_per_stream
+                mem = f", {kib:.1f} KiB/stream" if kib is not None else ""
+                print(
+                    f"  round {r + 1} {name}: p50 {x.ttft_p50_ms:.0f} ms, "
+                    f"p99 {x.ttft_p99_ms:.0f} ms{mem}",
+                    flush=True,
+                )
+    rows = [_summary(name, rs, rounds["direct"]) for name, rs in rounds.items()]
+    _print(args, rows)
+    return {"rows": rows}
 
 
 def main() -> None:
@@ -119,12 +229,17 @@ def main() -> None:
     p.add_argument("--tokens-per-second", type=float, default=10.0)
     p.add_argument("--ttft-ms", type=float, default=100.0)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--base", help="src directory of a checkout to compare against")
+    p.add_argument("--base", type=src_dir, help="src directory of a checkout to compare against")
+    p.add_argument(
+        "--workers", type=int, default=1, help="gateway processes (tokenpipe serve --workers N)"
+    )
+    p.add_argument("--json", default=str(ROOT / "results" / "burst.json"))
     args = p.parse_args()
-    if args.base:
-        args.base = os.path.abspath(args.base)
+    if args.workers < 1:
+        p.error("--workers: 1 or more")
     install_uvloop()
-    asyncio.run(_bench(args))
+    result = asyncio.run(_bench(args))
+    write_json(args.json, "burst", args, **result)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,16 @@ steady from the start, as a gateway's is in service. `--start burst` starts them
 every round is then waves of simultaneous arrivals, and TTFT measures how fast a gateway works
 through a queue of new requests (each one's CPU delays the ones behind it).
 
-Besides pooled percentiles, each gateway's TTFT is compared with the bare relay's round by
-round (the two ran one after the other): the median of those differences ("vs relay") is what
-the targets are judged on, since the pooled figures of two targets drift apart with the
-machine's noise; the 95% interval printed under the table is a bootstrap over rounds.
-Tokens/s is the sum of each user's own rate (its tokens over its span).
+Besides pooled percentiles, each target's TTFT is compared with direct's and each gateway's
+with the bare relay's round by round (they ran one after the other): the medians of those
+differences ("vs direct", the added TTFT; "vs relay") are what the targets are judged on,
+since the pooled figures of two targets drift apart with the machine's noise; the 95%
+intervals printed under the table are a bootstrap over rounds. Tokens/s is the sum of each
+user's own rate (its tokens over its span).
+
+Paced, the sim sends a role chunk at once, the first delta at `--ttft-ms` and then one delta
+(token) every `--itl-ms` (default 5: 200 tokens/s per stream) up to `--max-tokens`; unpaced,
+the deltas follow the first as fast as the socket takes them.
 
 `--round-s S` makes each round S seconds of load per target instead of a fixed number of
 requests, counting only requests sent once the ramp is over (steady load). A round's p50 moves
@@ -28,9 +33,13 @@ rounds are how a difference to the relay gets resolved to a millisecond or two o
     python benchmarks/overhead.py --litellm off --concurrency 64 --rounds 5
     python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --burn-us 700
     python benchmarks/overhead.py --litellm off --pace paced --concurrency 64 --features-off
+    python benchmarks/overhead.py --litellm off --pace paced --concurrency 1 --itl-ms 20 \
+        --max-tokens 64 --base-src ../base/src   # added TTFT at concurrency 1, before/after
 
 `--features-off` adds tokenpipe with every optional layer off (limiter learning, adaptive
 concurrency, deadlines, hedging, retries, breaker, recovery, context budgeting).
+`--base-src PATH` adds "tokenpipe-base": the same gateway run from another checkout's src/
+directory (on its PYTHONPATH), for before/after in one run on the same sim.
 `--burn-us N` adds a target: the bare relay spinning N us of CPU per request. Where all 64
 streams start together, each request's CPU delays the ones behind it, so this shows what a
 gateway's per-request cost alone does to TTFT and throughput.
@@ -57,8 +66,17 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from _common import bare_relay, features_off_config, fmt, free_port, gateway, litellm, write_json
-from _overhead import MODEL, PACED_ITL_MS, Target, ramp_seconds, row, run_rounds
+from _common import (
+    bare_relay,
+    features_off_config,
+    fmt,
+    free_port,
+    gateway,
+    litellm,
+    src_dir,
+    write_json,
+)
+from _overhead import MODEL, PACED_ITL_MS, Target, itl_ms, ramp_seconds, row, run_rounds
 from overhead_apis import GATEWAYS
 from overhead_apis import bench_pace as bench_apis
 
@@ -86,30 +104,48 @@ def _litellm(sim_url: str, port: int) -> subprocess.Popen[bytes] | None:
     return litellm("overhead", port, config, {"LITELLM_MASTER_KEY": LITELLM_KEY})
 
 
-def _print(pace: str, start: str, concurrency: int, rows: list[dict[str, Any]]) -> None:
-    print(f"\n== {pace}, concurrency {concurrency}, {start} start ==")
+def _diff(median: float | None, ci: list[float] | None) -> str:
+    """A per-round difference: its median and, from 2 rounds on, its 95% interval."""
+    if median is None:
+        return "-"
+    return f"{median:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci is not None else "")
+
+
+def _print(title: str, rows: list[dict[str, Any]]) -> None:
+    """The table in two parts and the per-round differences under it, within 80 columns."""
+    print(f"\n== {title} ==")
     print(
-        f"{'target':<13} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
-        f"{'vs relay p50':>12} {'p99':>7} "
-        f"{'ITL/tok p50':>11} {'p99':>7} {'tok/chunk':>9} {'tok/s':>9} {'x direct':>8} "
-        f"{'CPU s/1k':>8} {'fail':>5}"
+        f"{'target':<14} {'TTFT p50':>9} {'p99':>8} {'+p50':>7} {'+p99':>7} "
+        f"{'vs relay p50':>12} {'p99':>7} {'fail':>5}"
     )
     for r in rows:
         print(
-            f"{r['target']:<13} {fmt(r['ttft_p50_ms'], 9)} {fmt(r['ttft_p99_ms'], 8)} "
+            f"{r['target']:<14} {fmt(r['ttft_p50_ms'], 9)} {fmt(r['ttft_p99_ms'], 8)} "
             f"{fmt(r['added_ttft_p50_ms'], 7)} {fmt(r['added_ttft_p99_ms'], 7)} "
             f"{fmt(r['vs_relay_ttft_p50_ms'], 12)} {fmt(r['vs_relay_ttft_p99_ms'], 7)} "
-            f"{fmt(r['itl_p50_ms'], 11, 3)} {fmt(r['itl_p99_ms'], 7, 3)} "
-            f"{fmt(r['tokens_per_chunk'], 9)} {fmt(r['tokens_per_s'], 9, 0)} "
-            f"{fmt(r['tokens_per_s_vs_direct'], 8)} {fmt(r['cpu_s_per_1k_tokens'], 8, 3)} "
             f"{r['requests_failed']:5d}"
         )
+    print(
+        f"\n{'target':<14} {'ITL/tok p50':>11} {'p99':>7} {'tok/chunk':>9} {'tok/s':>9} "
+        f"{'x direct':>8} {'CPU s/1k':>8}"
+    )
     for r in rows:
-        ci50, ci99 = r["vs_relay_ttft_p50_ci95_ms"], r["vs_relay_ttft_p99_ci95_ms"]
-        if ci50 is not None and ci99 is not None:
+        print(
+            f"{r['target']:<14} {fmt(r['itl_p50_ms'], 11, 3)} {fmt(r['itl_p99_ms'], 7, 3)} "
+            f"{fmt(r['tokens_per_chunk'], 9)} {fmt(r['tokens_per_s'], 9, 0)} "
+            f"{fmt(r['tokens_per_s_vs_direct'], 8)} {fmt(r['cpu_s_per_1k_tokens'], 8, 3)}"
+        )
+    for against in ("direct", "relay"):
+        diffs = [r for r in rows if r[f"vs_{against}_ttft_p50_ms"] is not None]
+        if not diffs:
+            continue
+        print(f"\nTTFT vs {against}, ms: median of per-round differences [95% interval]")
+        print(f"{'target':<14} {'p50':>24} {'p99':>24}")
+        for r in diffs:
+            k = f"vs_{against}_ttft"
             print(
-                f"{r['target']} vs relay, 95% interval over rounds: "
-                f"p50 [{ci50[0]:+.1f}, {ci50[1]:+.1f}] ms, p99 [{ci99[0]:+.1f}, {ci99[1]:+.1f}] ms"
+                f"{r['target']:<14} {_diff(r[f'{k}_p50_ms'], r[f'{k}_p50_ci95_ms']):>24} "
+                f"{_diff(r[f'{k}_p99_ms'], r[f'{k}_p99_ci95_ms']):>24}"
             )
 
 
@@ -123,12 +159,14 @@ async def _bench_one(
     ramp_s = ramp_seconds(args, pace, start)
     await run_rounds(args, f"{pace} {start} c={concurrency}", targets, concurrency, ramp_s)
     rows = [row(t, targets[0], targets[1]) for t in targets]
-    _print(pace, start, concurrency, rows)
+    gap = f" (ITL {itl_ms(args, pace):g} ms)" if pace == "paced" else ""
+    rounds = f"{args.rounds} round{'s' if args.rounds != 1 else ''}"
+    _print(f"{pace}{gap}, concurrency {concurrency}, {start} start, {rounds}", rows)
     return {"pace": pace, "start": start, "concurrency": concurrency, "rows": rows}
 
 
 async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    itl = f"{PACED_ITL_MS:g}" if pace == "paced" else "0"  # paced, or as fast as possible
+    itl = f"{itl_ms(args, pace):g}"  # paced, or as fast as possible
     out: list[dict[str, Any]] = []
     with (
         Service(
@@ -136,6 +174,7 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
         ) as sim,
         bare_relay(sim.url) as relay,
         gateway(sim.url) as gw,
+        gateway(sim.url, src=args.base_src) if args.base_src else contextlib.nullcontext() as base,
         bare_relay(sim.url, args.burn_us) if args.burn_us else contextlib.nullcontext() as burn,
         gateway(sim.url, config=features_off_config())
         if args.features_off
@@ -146,6 +185,8 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
             Target("bare-relay", relay.url + "/v1", relay.pid),
             Target("tokenpipe", gw.url + "/v1", gw.pid),
         ]
+        if base is not None:
+            endpoints.append(Target("tokenpipe-base", base.url + "/v1", base.pid))
         if off is not None:
             endpoints.append(Target("tokenpipe-off", off.url + "/v1", off.pid))
         if burn is not None:
@@ -189,6 +230,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _millis(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more milliseconds")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -212,12 +260,24 @@ def main() -> None:
     )
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--ttft-ms", type=float, default=20.0)
+    p.add_argument(
+        "--itl-ms",
+        type=_millis,
+        default=PACED_ITL_MS,
+        help=f"the sim's gap between tokens when paced (default {PACED_ITL_MS:g})",
+    )
     p.add_argument("--litellm", choices=["auto", "off"], default="auto")
     p.add_argument(
         "--features-off", action="store_true", help="add tokenpipe with every optional layer off"
     )
     p.add_argument(
         "--burn-us", type=float, default=0.0, help="add a relay spinning this CPU per request"
+    )
+    p.add_argument(
+        "--base-src",
+        type=src_dir,
+        metavar="PATH",
+        help="add tokenpipe-base: the gateway run from this src/ directory (PYTHONPATH)",
     )
     p.add_argument(
         "--api",
@@ -229,8 +289,12 @@ def main() -> None:
     )
     p.add_argument("--json", default=str(ROOT / "results" / "overhead.json"))
     args = p.parse_args()
-    if args.api is not None and (args.features_off or args.burn_us):
-        p.error("--features-off and --burn-us add rows to the chat table (without --api)")
+    if args.api is not None and (args.features_off or args.burn_us or args.base_src):
+        p.error(
+            "--features-off, --burn-us and --base-src add rows to the chat table (without --api)"
+        )
+    if args.api is not None and args.itl_ms != PACED_ITL_MS:
+        p.error(f"--itl-ms: the per-API table is paced at {PACED_ITL_MS:g} ms (without --api)")
     if args.api is not None and args.litellm == "auto":
         print("--api: LiteLLM is not run (it has a row in the chat table, without --api)")
     bench = _bench_pace if args.api is None else bench_apis
