@@ -54,8 +54,9 @@ MODEL = "sim-model"
 
 #: Layers by file path (first match wins): (layer, pattern on "path/to/file.py").
 LAYERS: tuple[tuple[str, str], ...] = (
-    ("front: server span, errors", r"tokenpipe/front/http\.py"),
-    ("front: drain middleware", r"tokenpipe/front/drain\.py"),
+    ("front: HTTP/1.1 server", r"tokenpipe/front/(server|wire|app)\.py|multidict"),
+    ("front: routing, errors, server span", r"tokenpipe/front/http\.py"),
+    ("front: drain", r"tokenpipe/front/drain\.py"),
     ("front: edge (id, auth, body)", r"tokenpipe/front/edge\.py|tokenpipe/request_ids\.py"),
     ("front: answer, SSE out", r"tokenpipe/front/(answer|sse_out)\.py"),
     ("front: other", r"tokenpipe/front/"),

@@ -16,7 +16,6 @@ import pytest
 from yarl import URL
 
 from tests.hostile_upstream import DONE, chat_chunk, sse_reply
-from tests.local_app import serving
 from tests.test_upstream_h1 import _get_head, _read_head, answering, pool_for, raw_server
 from tokenpipe import gateway
 from tokenpipe.errors import GatewayError
@@ -195,7 +194,9 @@ async def test_the_clients_pace_reaches_the_upstream_on_every_attempt() -> None:
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
     async with raw_server(handle) as url:
         settings = Settings(upstreams=[UpstreamSettings(name="u", url=str(url / "v1"))])
-        async with serving(gateway.build(settings)) as base, aiohttp.ClientSession() as s:
+        settings.server.port = 0
+        async with gateway.running(settings) as (*_, port), aiohttp.ClientSession() as s:
+            base = f"http://{settings.server.host}:{port}"
             for headers in ({PACE_HEADER: "1000"}, {}):
                 async with s.post(base + "/v1/chat/completions", json=body, headers=headers) as r:
                     assert r.status == 200 and (await r.read()).endswith(DONE)

@@ -3,23 +3,56 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import sys
+from collections.abc import AsyncIterator
 from typing import Any
-
-from aiohttp import web
 
 from tokenpipe import serving
 from tokenpipe.front import http as front_http
+from tokenpipe.front.app import Front
+from tokenpipe.front.server import Server
 from tokenpipe.observe import otel
+from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Gateway
 from tokenpipe.router import Router
 from tokenpipe.settings import Settings
 from tokenpipe.upstream.http import HttpUpstream
 
 
-def build(settings: Settings) -> web.Application:
+def build(settings: Settings) -> tuple[Front, Server]:
     router = Router([HttpUpstream(u) for u in settings.upstreams])
-    return front_http.build_app(Gateway(settings, router))
+    server = settings.server
+    return front_http.build(
+        Gateway(settings, router),
+        # Also the deadline on a new connection's request head (slowloris).
+        idle_seconds=min(75.0, server.read_timeout_seconds),
+        access=server.access_log,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running(
+    settings: Settings, sock: socket.socket | None = None
+) -> AsyncIterator[tuple[Front, Server, int]]:
+    """The gateway started and listening (on `sock`, an already bound listening socket, or
+    on host:port; port 0 picks one): yields (front, server, bound port); closes it all."""
+    front, server = build(settings)
+    gw = front.gateway
+    await gw.start()
+    sampler = RuntimeSampler()
+    sampler.start()
+    # The configured models' tokenizers load in a thread while serving.
+    warm = asyncio.create_task(gw.context.lookup.warm())
+    try:
+        port = await server.start(settings.server.host, settings.server.port, sock)
+        yield front, server, port
+    finally:
+        warm.cancel()
+        await server.shutdown(1.0)
+        await sampler.stop()
+        await gw.close()
 
 
 async def run(settings: Settings, sock: socket.socket | None = None) -> None:
@@ -33,48 +66,26 @@ async def run(settings: Settings, sock: socket.socket | None = None) -> None:
 
 
 async def _run(settings: Settings, sock: socket.socket | None) -> None:
-    app = build(settings)
-    gw = app[front_http.GATEWAY]
+    server_settings = settings.server
     grpc_server: Any = None
-
-    def draining() -> None:
-        gw.draining = True
-
-    warming: set[asyncio.Task[None]] = set()  # held until done (the loop keeps weak refs)
-
-    async def start_grpc() -> None:
-        nonlocal grpc_server
-        task = asyncio.create_task(gw.context.lookup.warm())  # in a thread, while serving
-        warming.add(task)
-        task.add_done_callback(warming.discard)
-        if settings.server.grpc_port:
+    async with running(settings, sock) as (front, _, port):
+        gw = front.gateway
+        if server_settings.grpc_port:
             from tokenpipe.front import grpc as front_grpc  # grpc loads only when used
 
             grpc_server = await front_grpc.start_server(
-                gw, settings.server.host, settings.server.grpc_port
+                gw, server_settings.host, server_settings.grpc_port
             )
-
-    async def stop_grpc() -> None:
-        for task in warming:
-            task.cancel()
-        if grpc_server is not None:
-            # Stops accepting, lets open streams finish for the drain time, then cancels them.
-            await grpc_server.stop(settings.server.drain_seconds)
-
-    await serving.serve(
-        app,
-        settings.server.host,
-        settings.server.port,
-        drain_seconds=settings.server.drain_seconds,
-        name="tokenpipe gateway",
-        on_draining=draining,
-        extra_start=start_grpc,
-        extra_stop=stop_grpc,
-        sock=sock,
-        # Also the deadline on a new connection's request headers (slowloris).
-        idle_seconds=min(75.0, settings.server.read_timeout_seconds),
-        access_log=settings.server.access_log,
-        drain=lambda: app[front_http.DRAIN].run(
-            settings.server.drain_grace_seconds, settings.server.drain_seconds
-        ),
-    )
+        print(f"tokenpipe gateway listening on http://{server_settings.host}:{port}", flush=True)
+        await serving.until_signalled()
+        drain = server_settings.drain_seconds
+        print(f"tokenpipe gateway draining (up to {drain:g} s)", file=sys.stderr, flush=True)
+        gw.draining = True
+        # Both fronts drain at the same time, each within drain_seconds: gRPC stops
+        # accepting, lets open streams finish, then cancels them.
+        grpc_stop = (
+            asyncio.ensure_future(grpc_server.stop(drain)) if grpc_server is not None else None
+        )
+        await front.drain.run(server_settings.drain_grace_seconds, drain)
+        if grpc_stop is not None:
+            await grpc_stop

@@ -27,7 +27,7 @@ log = logging.getLogger("tokenpipe.front")
 LOG_PER_SECOND = 5
 
 
-class _LogBudget:
+class LogBudget:
     """A one-second window of at most `LOG_PER_SECOND` lines; the rest are counted."""
 
     def __init__(self) -> None:
@@ -45,7 +45,7 @@ class _LogBudget:
         return True
 
 
-_BUDGET = _LogBudget()
+_BUDGET = LogBudget()
 
 
 class _JsonRejectingHandler(RequestHandler):

@@ -1,4 +1,5 @@
-"""Runs an aiohttp application with uvloop, handler cancellation and a graceful drain.
+"""Runs an aiohttp application (the engines, the bare relay; the gateway has its own server,
+front/server.py) with uvloop, handler cancellation and a graceful drain.
 
 Handler cancellation is on: when a client disconnects, its handler task is cancelled at once,
 which closes the upstream connection (capacity is the scarcest thing a gateway holds).
@@ -73,12 +74,8 @@ async def serve(
     bound = _bound_port(runner) or port
     print(f"{name} listening on http://{host}:{bound}", flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await until_signalled()
     finally:
         print(f"{name} draining (up to {drain_seconds:g} s)", file=sys.stderr, flush=True)
         if on_draining is not None:
@@ -90,6 +87,15 @@ async def serve(
         await runner.cleanup()
         if extra is not None:
             await extra
+
+
+async def until_signalled() -> None:
+    """Returns at the first SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

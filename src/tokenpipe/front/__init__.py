@@ -1,6 +1,7 @@
 """The fronts: the wire toward clients.
 
-`http` serves the OpenAI-compatible routes over aiohttp (request id, auth, body bounds,
+`server` is the HTTP/1.1 server (on httptools) and `wire` its request and answer objects;
+`http` serves the API routes on it (request id, auth, body bounds,
 validation, then `pipeline.Gateway.open`), frames a stream as SSE (`sse_out`) and answers
 errors in the contract's shape; `grpc` serves the bidirectional `ChatStream` with per-request
 flow control; `drain`, `cors` and `pacing` are the edges around them.

@@ -9,22 +9,13 @@ import time
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Dialect
 from tokenpipe.errors import GatewayError
-from tokenpipe.front import drain
-from tokenpipe.front.edge import (
-    CLIENT_CLOSED,
-    GATEWAY,
-    SSE_HEADERS,
-    Arrival,
-    bound_client_buffers,
-    json_response,
-    timing_of,
-)
+from tokenpipe.front.edge import CLIENT_CLOSED, SSE_HEADERS, Arrival, bound_client_buffers
 from tokenpipe.front.sse_out import StreamEnd, emit_sse
+from tokenpipe.front.wire import Request, Response, StreamResponse, json_response
 from tokenpipe.observe.server_timing import ENGINE_HEADERS
 from tokenpipe.pipeline import Call
 from tokenpipe.relay.tally import StreamTally
@@ -41,7 +32,7 @@ _ENGINE_TIMING_HEADERS = tuple(name for name, _ in ENGINE_HEADERS)
 _RATELIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 
 
-async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
+async def unary(call: Call, rid: str) -> tuple[int, Response]:
     """A non-streamed answer, or an upstream error before streaming: passed through as sent."""
     uresp, tally = call.uresp, call.tally
     try:
@@ -96,7 +87,7 @@ async def unary(call: Call, rid: str) -> tuple[int, web.Response]:
 
 
 async def serve(
-    request: web.Request,
+    request: Request,
     arrival: Arrival,
     kind: type[Any],
     req: Any,
@@ -106,7 +97,7 @@ async def serve(
     gate: FlowGate | None = None,
     dialect: Dialect | None = None,
     body: bytes | None = None,
-) -> web.StreamResponse:
+) -> Response | StreamResponse:
     """The rest of every API route once it parsed the request: the call opened through the
     pipeline (`body`: the bytes to send, if not the client's) and answered (`respond`)."""
     call = await arrival.gateway.open(
@@ -121,14 +112,14 @@ async def serve(
         scope=arrival.scope,
         pace=gate.rate if gate is not None else None,  # sent upstream (upstream/http.py)
         dialect=dialect,
-        timing=timing_of(request),
+        timing=request.timing,
     )
     return await respond(request, call, arrival.rid, stream, gate)
 
 
 async def respond(
-    request: web.Request, call: Call, rid: str, stream: bool, gate: FlowGate | None
-) -> web.StreamResponse:
+    request: Request, call: Call, rid: str, stream: bool, gate: FlowGate | None
+) -> Response | StreamResponse:
     """The client's answer to an opened call: the unary body, an upstream error, or the
     stream relayed as SSE. Closes the call whatever happens."""
     status = CLIENT_CLOSED
@@ -137,7 +128,7 @@ async def respond(
             status, response = await unary(call, rid)
             response.headers.update(call.ctx.headers)
             return response
-        sse_response = web.StreamResponse(
+        sse_response = StreamResponse(
             status=200,
             headers={
                 **SSE_HEADERS,
@@ -146,24 +137,22 @@ async def respond(
                 **call.ctx.headers,
             },
         )
-        bound_client_buffers(request, request.app[GATEWAY].settings.server.stream_send_buffer_bytes)
+        bound_client_buffers(request, request.app.gateway.settings.server.stream_send_buffer_bytes)
         await sse_response.prepare(request)
         # A shutdown cut ends it with an error event of its API.
-        request[drain.STREAM] = sse_response
-        request[drain.ERROR_EVENT] = call.dialect.error_event
-        status = await relay_sse(call, sse_response, gate, request)
+        request.sse = sse_response
+        request.error_event = call.dialect.error_event
+        status = await relay_sse(call, sse_response, gate)
         return sse_response
     finally:
         call.close(status)
 
 
-async def relay_sse(
-    call: Call, response: web.StreamResponse, gate: FlowGate | None, request: web.Request
-) -> int:
+async def relay_sse(call: Call, response: StreamResponse, gate: FlowGate | None) -> int:
     """Returns the status to record. Errors after the first byte become an SSE error event."""
     tally = call.tally
     end = StreamEnd(tally, call.timing)
-    emit, write_now, ready = emit_sse(response, request.writer, tally, end)
+    emit, write_now, ready = emit_sse(response, tally, end)
     try:
         error = await call.relay(emit, gate, write_now=write_now, ready=ready)
         # An error event is the stream's last: no [DONE] follows it (ARCHITECTURE.md), so a
@@ -172,8 +161,7 @@ async def relay_sse(
         if error is not None:
             error.message = _cut_message(tally, error.message)
             await response.write(end() + call.dialect.error_event(error))
-    except ConnectionResetError:  # the client went away: the relay's direct write, or
-        # aiohttp's server (its ClientConnectionResetError is a ConnectionResetError)
+    except ConnectionResetError:  # the client went away (a write, or the wait to write)
         return CLIENT_CLOSED
     except Exception:
         # A bug of ours mid-stream: the client still gets an error event and the end of the

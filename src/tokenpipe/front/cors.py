@@ -1,17 +1,17 @@
 """Opt-in CORS (`server.cors_origins`): off unless configured, so a web page on another origin
 cannot make a visitor's browser call the gateway.
 
-Hand-written rather than aiohttp-cors: the rule is ten lines (one allow-list, no credentials,
-a fixed set of headers) and must also cover streamed responses, which are sent before a
-middleware could add headers; `on_response_prepare` sees every response in time.
+Hand-written: the rule is ten lines (one allow-list, no credentials, a fixed set of headers)
+and must also cover streamed responses: the server calls `add_headers` on every answer's
+headers just before they are written (front/server.py `decorate`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from aiohttp import web
+from tokenpipe.front.app import Front
+from tokenpipe.front.wire import Request, Response
 
 _ALLOW_HEADERS = (
     "authorization, content-type, x-request-id, x-tokenpipe-max-tokens-per-second, "
@@ -42,46 +42,46 @@ _EXPOSE_HEADERS = (
 _MAX_AGE = "600"
 
 
-def install(app: web.Application, origins: list[str]) -> None:
-    if not origins:
-        return
-    allowed = frozenset(origins)
+def install(front: Front, origins: list[str]) -> None:
+    if origins:
+        front.cors = frozenset(origins)
 
-    def allow(request: web.BaseRequest) -> str | None:
-        origin = request.headers.get("Origin")
-        if origin is None:
-            return None
-        if origin in allowed:
-            return origin
-        return "*" if "*" in allowed else None
 
-    @web.middleware
-    async def preflight(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
-            if allow(request) is None:
-                return web.Response(status=403)
-            return web.Response(
-                status=204,
-                headers={
-                    "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                    "Access-Control-Allow-Headers": _allowed_headers(
-                        request.headers.get("Access-Control-Request-Headers", "")
-                    ),
-                    "Access-Control-Max-Age": _MAX_AGE,
-                },
-            )
-        return await handler(request)
+def _allow(front: Front, request: Request) -> str | None:
+    origin = request.headers.get("Origin")
+    if origin is None or front.cors is None:
+        return None
+    if origin in front.cors:
+        return origin
+    return "*" if "*" in front.cors else None
 
-    async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
-        origin = allow(request)
-        if origin is not None:
-            response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Access-Control-Expose-Headers"] = _EXPOSE_HEADERS
-            # The page's devtools and PerformanceResourceTiming.serverTiming show the phases
-            # (Server-Timing) only when the origin is allowed to see them.
-            response.headers["Timing-Allow-Origin"] = origin
-            if origin != "*":
-                response.headers["Vary"] = "Origin"
 
-    app.middlewares.insert(0, preflight)
-    app.on_response_prepare.append(add_headers)
+def is_preflight(request: Request) -> bool:
+    return request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
+
+
+def preflight(front: Front, request: Request) -> Response:
+    if _allow(front, request) is None:
+        return Response(403)
+    return Response(
+        204,
+        headers={
+            "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+            "Access-Control-Allow-Headers": _allowed_headers(
+                request.headers.get("Access-Control-Request-Headers", "")
+            ),
+            "Access-Control-Max-Age": _MAX_AGE,
+        },
+    )
+
+
+def add_headers(front: Front, request: Request, headers: dict[str, str]) -> None:
+    origin = _allow(front, request)
+    if origin is not None:
+        headers["Access-Control-Allow-Origin"] = origin
+        headers["Access-Control-Expose-Headers"] = _EXPOSE_HEADERS
+        # The page's devtools and PerformanceResourceTiming.serverTiming show the phases
+        # (Server-Timing) only when the origin is allowed to see them.
+        headers["Timing-Allow-Origin"] = origin
+        if origin != "*":
+            headers["Vary"] = "Origin"

@@ -14,13 +14,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, cast
-
-from aiohttp import web
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from tokenpipe import sse
 from tokenpipe.errors import GatewayError
+
+if TYPE_CHECKING:
+    from tokenpipe.front.wire import Request, Response, StreamResponse
+
+    Answer = Response | StreamResponse
 
 log = logging.getLogger("tokenpipe.front")
 
@@ -71,7 +74,7 @@ def _openai_event(error: GatewayError) -> bytes:
 
 
 async def end_cut_stream(
-    response: web.StreamResponse, error_event: Callable[[GatewayError], bytes] = _openai_event
+    response: StreamResponse, error_event: Callable[[GatewayError], bytes] = _openai_event
 ) -> None:
     """The last words of a stream cut by shutdown: one error event (of the stream's API),
     nothing after it."""
@@ -86,39 +89,32 @@ async def end_cut_stream(
         await response.write_eof()
 
 
-#: Where the HTTP front keeps a request's started SSE response (so a cut can end it), and
-#: the error event of its API.
-STREAM = "tokenpipe_sse_response"
-ERROR_EVENT = "tokenpipe_sse_error_event"
-
-
-def middleware(drain: Drain, draining: Callable[[], bool]) -> Any:
-    """Refuses new API requests while draining; tracks and, at the cut, ends the open ones.
-    Inside errors_middleware, which turns the refusal into JSON."""
-
-    @web.middleware
-    async def drain_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-        if not request.path.startswith("/v1/"):  # probes, metrics: always answered
-            return cast(web.StreamResponse, await handler(request))
-        if draining():
-            raise refusal()
-        task = asyncio.current_task()
-        assert task is not None
-        drain.tasks.add(task)
-        try:
-            return cast(web.StreamResponse, await handler(request))
-        except asyncio.CancelledError:
-            if not drain.cutting:
-                raise  # the client went away (handler cancellation)
-            task.uncancel()
-            response: web.StreamResponse | None = request.get(STREAM)
-            if response is None or not response.prepared:
-                raise GatewayError(
-                    503, "The gateway is shutting down.", code="shutdown", retry_after=RETRY_AFTER
-                ) from None
-            await end_cut_stream(response, request.get(ERROR_EVENT, _openai_event))
-            return response
-        finally:
-            drain.tasks.discard(task)
-
-    return drain_middleware
+async def tracked(
+    drain: Drain,
+    draining: bool,
+    request: Request,
+    handler: Callable[[Request], Awaitable[Answer]],
+) -> Answer:
+    """An API request's handler, refused while draining, tracked while it runs, and at the
+    cut ended (a started stream with its API's error event, else a 503). Its GatewayErrors
+    are answered by the caller (front/http.py dispatch)."""
+    if draining:
+        raise refusal()
+    task = asyncio.current_task()
+    assert task is not None
+    drain.tasks.add(task)
+    try:
+        return await handler(request)
+    except asyncio.CancelledError:
+        if not drain.cutting:
+            raise  # the client went away (its connection cancelled the handler)
+        task.uncancel()
+        response = request.sse
+        if response is None or not response.prepared:
+            raise GatewayError(
+                503, "The gateway is shutting down.", code="shutdown", retry_after=RETRY_AFTER
+            ) from None
+        await end_cut_stream(response, request.error_event or _openai_event)
+        return response
+    finally:
+        drain.tasks.discard(task)

@@ -4,15 +4,14 @@ retries, fallbacks, circuit breaking, metrics); never streamed."""
 
 from __future__ import annotations
 
-from aiohttp import web
-
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.dialects.embeddings import EMBEDDINGS, EmbeddingsRequest
 from tokenpipe.front.answer import serve
 from tokenpipe.front.edge import arrive
+from tokenpipe.front.wire import Request, Response, StreamResponse
 
 
-async def embeddings(request: web.Request) -> web.StreamResponse:
+async def embeddings(request: Request) -> Response | StreamResponse:
     arrival = await arrive(request)
     req, obj = schema.parse(arrival.body, EmbeddingsRequest)
     return await serve(request, arrival, EmbeddingsRequest, req, obj, dialect=EMBEDDINGS)

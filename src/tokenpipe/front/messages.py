@@ -12,33 +12,33 @@ status. Context budgeting does not apply (yet): it knows OpenAI's request shapes
 
 from __future__ import annotations
 
-from aiohttp import web
-
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import COUNT_TOKENS, MESSAGES, Dialect
 from tokenpipe.dialects import anthropic_schema as schema
 from tokenpipe.front.answer import serve
-from tokenpipe.front.edge import ERROR_BODIES, arrive
+from tokenpipe.front.app import Front
+from tokenpipe.front.edge import arrive
+from tokenpipe.front.wire import Request, Response, StreamResponse
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 
 
-async def messages(request: web.Request) -> web.StreamResponse:
+async def messages(request: Request) -> Response | StreamResponse:
     return await _messages(request, schema.MessagesRequest, MESSAGES)
 
 
-async def count_tokens(request: web.Request) -> web.StreamResponse:
+async def count_tokens(request: Request) -> Response | StreamResponse:
     """A non-streamed passthrough to the upstream's /messages/count_tokens (it costs no
     tokens: COUNT_TOKENS returns the reservation)."""
     return await _messages(request, schema.CountTokensRequest, COUNT_TOKENS)
 
 
 async def _messages(
-    request: web.Request,
+    request: Request,
     kind: type[schema.MessagesRequest] | type[schema.CountTokensRequest],
     dialect: Dialect,
-) -> web.StreamResponse:
+) -> Response | StreamResponse:
     arrival = await arrive(request, x_api_key=True)
     req, obj = schema.parse(arrival.body, kind)
     gate = pace_gate(request.headers, None) if req.stream else None
@@ -48,11 +48,9 @@ async def _messages(
     )
 
 
-def install(app: web.Application) -> None:
-    """Adds the routes, with Anthropic's error shape on both (front/edge.py ERROR_BODIES)."""
-    app.router.add_post(MESSAGES_PATH, messages)
-    app.router.add_post(COUNT_TOKENS_PATH, count_tokens)
-    if ERROR_BODIES not in app:
-        app[ERROR_BODIES] = {}
+def install(front: Front) -> None:
+    """Adds the routes, with Anthropic's error shape on both (Front.error_bodies)."""
+    front.add("POST", MESSAGES_PATH, messages)
+    front.add("POST", COUNT_TOKENS_PATH, count_tokens)
     for path in (MESSAGES_PATH, COUNT_TOKENS_PATH):
-        app[ERROR_BODIES][path] = MESSAGES.error_body
+        front.error_bodies[path] = MESSAGES.error_body

@@ -14,11 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import orjson
-from aiohttp import web
 
 from tokenpipe.dialects.anthropic import error_json
 from tokenpipe.errors import GatewayError
-from tokenpipe.front.edge import GATEWAY, HEADER_ERROR_BODIES, json_response, request_id
+from tokenpipe.front.app import Front
+from tokenpipe.front.edge import request_id
+from tokenpipe.front.wire import Request, Response, json_response
 
 MODELS_PATH = "/v1/models"
 #: The header by which a request says it is an Anthropic client's.
@@ -30,9 +31,9 @@ MAX_LIMIT = 1000
 _EPOCH = "1970-01-01T00:00:00Z"
 
 
-async def list_models(request: web.Request) -> web.Response:
+async def list_models(request: Request) -> Response:
     request_id(request)
-    gw = request.app[GATEWAY]
+    gw = request.app.gateway
     headers = request.headers
     if ANTHROPIC_VERSION in headers:
         gw.auth.check_any(headers.get("Authorization"), headers.get("x-api-key"))
@@ -89,9 +90,7 @@ def _limit(value: str | None) -> int:
     return limit
 
 
-def install(app: web.Application) -> None:
+def install(front: Front) -> None:
     """Adds the route; its errors take Anthropic's shape for an Anthropic client's request."""
-    app.router.add_get(MODELS_PATH, list_models)
-    if HEADER_ERROR_BODIES not in app:
-        app[HEADER_ERROR_BODIES] = {}
-    app[HEADER_ERROR_BODIES][MODELS_PATH] = (ANTHROPIC_VERSION, error_json)
+    front.add("GET", MODELS_PATH, list_models)
+    front.header_error_bodies[MODELS_PATH] = (ANTHROPIC_VERSION, error_json)

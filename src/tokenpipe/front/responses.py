@@ -15,7 +15,6 @@ from typing import Any
 
 import msgspec
 import orjson
-from aiohttp import web
 
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import openai_schema as schema
@@ -26,10 +25,11 @@ from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.answer import serve
 from tokenpipe.front.edge import arrive
+from tokenpipe.front.wire import Request, Response, StreamResponse
 from tokenpipe.pipeline import Gateway
 
 
-async def responses(request: web.Request) -> web.StreamResponse:
+async def responses(request: Request) -> Response | StreamResponse:
     arrival = await arrive(request)
     body = arrival.body
     req, obj = schema.parse(body, ResponsesRequest)

@@ -1,13 +1,13 @@
-"""SSE framing toward an HTTP client: the relay's pieces as event bytes on an aiohttp
-StreamResponse, with the HTTP/1.1 chunk framing of the direct write done here."""
+"""SSE framing toward an HTTP client: the relay's pieces as event bytes on the front's
+StreamResponse (front/wire.py, which frames the HTTP/1.1 chunks)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from tokenpipe.dialects import Piece
+from tokenpipe.front.wire import StreamResponse
 from tokenpipe.observe.server_timing import Timing
 from tokenpipe.relay.buffer import WriteNow
 from tokenpipe.relay.stream import Emit
@@ -35,27 +35,21 @@ class StreamEnd:
 
 
 def emit_sse(
-    response: Any, writer: Any, tally: StreamTally, end: StreamEnd | None = None
-) -> tuple[Emit, WriteNow | None, Callable[[], bool]]:
-    """Emitters writing pieces as SSE bytes to a prepared aiohttp StreamResponse and its
-    `writer` (`request.writer`): (emit, write_now, ready).
+    response: StreamResponse, tally: StreamTally, end: StreamEnd | None = None
+) -> tuple[Emit, WriteNow, Callable[[], bool]]:
+    """Emitters writing pieces as SSE bytes to a prepared StreamResponse: (emit, write_now,
+    ready).
 
-    `emit` (the writer task's) then waits while the socket's send buffer is over its high
-    watermark: aiohttp itself checks only every 64 KiB, which would park a stale backlog of
-    un-merged events in front of a slow client. `write_now` (the reader's) never waits: the
-    reader must go on reading and merging while a client falls behind. It frames the HTTP/1.1
-    chunk itself and hands it to the transport in one call: aiohttp's writer takes five
-    Python frames and a coroutine per write for the same bytes, and this runs once per
-    token. aiohttp holds the prepared headers back to send them with the first body bytes;
-    a first direct write sends them itself (`StreamWriter.send_headers`), so the role chunk
-    and the first token need no hop through the writer task either. `ready` says the client
-    can take a direct write: the transport holds no more than its low watermark (not
-    "nothing": uvloop sends what was written at the end of the loop iteration, so a buffer
-    that is not empty yet does not mean a slow client; one that holds a few KiB does).
-    write_now is None on a response that is not chunked (HTTP/1.0) or compressed: then the
-    writer task writes everything. `end`, when given, goes before the stream's last event.
+    `emit` (the writer task's) waits after its write while the client's send buffer is over
+    its high watermark, so a stale backlog of un-merged events never parks in front of a slow
+    client. `write_now` (the reader's) never waits: the reader must go on reading and merging
+    while a client falls behind; the role chunk and the first token need no hop through the
+    writer task (the held head goes out with the first of them, in one write). `ready` says
+    the client can take a direct write: the transport holds no more than its low watermark
+    (not "nothing": uvloop sends what was written at the end of the loop iteration, so a
+    buffer that is not empty yet does not mean a slow client; one that holds a few KiB does).
+    `end`, when given, goes before the stream's last event.
     """
-    started = False
 
     def encode(pieces: list[Piece]) -> bytes:
         if len(pieces) == 1:
@@ -79,33 +73,16 @@ def emit_sse(
         return b"".join(out)
 
     async def emit(pieces: list[Piece]) -> None:
-        nonlocal started
         await response.write(encode(pieces))
-        started = True
-        await writer.drain()
 
-    transport = writer.transport
-
-    low = transport.get_write_buffer_limits()[0] if transport is not None else 0
-    # aiohttp holds the headers back until the first write and can send them alone.
-    send_headers: Callable[[], None] | None = getattr(writer, "send_headers", None)
+    transport = response.transport
+    low = transport.get_write_buffer_limits()[0]
+    send = response.send
 
     def ready() -> bool:
-        return (started or send_headers is not None) and transport.get_write_buffer_size() <= low
-
-    chunked = response.headers.get("Transfer-Encoding") == "chunked"  # set by prepare()
-    if not chunked or response.compression or transport is None:
-        return emit, None, ready
+        return transport.get_write_buffer_size() <= low
 
     def write_now(pieces: list[Piece]) -> None:
-        nonlocal started
-        data = encode(pieces)
-        if transport.is_closing():
-            raise ConnectionResetError("the client closed the connection")
-        if not started:
-            assert send_headers is not None  # ready() said so
-            send_headers()
-            started = True
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        send(encode(pieces))
 
     return emit, write_now, ready

@@ -1,0 +1,399 @@
+"""The front's HTTP/1.1 server: an asyncio Protocol on httptools (llhttp), as the upstream
+client already is, for the API routes.
+
+Why not aiohttp's web server (which the engines still use): its request object, middleware
+chain, router and `StreamResponse` machinery cost ~95 us of CPU per request, 22% of the
+gateway's (benchmarks/profile_request.py, pinned); a request here is one parser callback set,
+one small object and one write per answer. uvicorn's httptools protocol is the same idea
+behind ASGI's message dicts, which this path would pay for twice (docs/performance.md).
+
+Bounds (each answered with a JSON 400 that echoes nothing, then the connection closes):
+the request line and each header at most MAX_LINE bytes, the whole head MAX_HEAD, at most
+MAX_HEADERS headers. A new connection's head must arrive, and an idle kept-alive connection
+send its next request, within `idle_seconds`. At most MAX_PIPELINED requests wait behind the
+one being answered (then the socket is not read until it is answered). A body is buffered up
+to wire.BODY_HIGH_WATER (then the socket is not read until the handler reads it); bodies
+themselves are bounded by the edge (front/edge.py). When a client disconnects, its request's
+handler task is cancelled at once, which closes the upstream stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httptools
+from multidict import CIMultiDict
+
+from tokenpipe.errors import GatewayError
+from tokenpipe.front.wire import (
+    LINGER_BYTES,
+    Request,
+    Response,
+    StreamResponse,
+    head_bytes,
+)
+from tokenpipe.rejections import LogBudget
+
+log = logging.getLogger("tokenpipe.front")
+
+MAX_LINE = 16 * 1024
+MAX_HEAD = 64 * 1024
+MAX_HEADERS = 128
+MAX_PIPELINED = 16
+#: Seconds an unread body is read and dropped after the answer, before the close.
+LINGER_SECONDS = 2.0
+
+Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
+#: Called after each answer: (request, status, seconds taken).
+Access = Callable[[Request, int, float], None]
+
+_BUDGET = LogBudget()
+
+
+class _Refused(Exception):
+    """A head over its bounds (raised inside a parser callback)."""
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection: parses requests, answers them one at a time, in order."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self._parser = httptools.HttpRequestParser(self)
+        self._loop = asyncio.get_running_loop()
+        # The request being parsed, and its head's parts.
+        self._parsing: Request | None = None
+        self._url = b""
+        self._headers: list[tuple[str, str]] = []
+        self._field = b""
+        self._head_size = 0
+        self._in_head = False
+        # Parsed requests in order; the first is being answered by `_task`.
+        self._queue: deque[Request] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused = False  # reading paused (body high water or pipelined requests)
+        self._body_paused = False
+        self._writable: asyncio.Future[None] | None = None  # set while writing is paused
+        self._closing = False
+        self._lingering = 0  # bytes left to drop after the answer; > 0 while lingering
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport
+        self.server.connections.add(self)
+        self._arm()  # the first head must arrive in time (slowloris)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self._closing = True
+        self._disarm()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client went away: its upstream stream closes
+        for request in self._queue:
+            request.fail(ConnectionResetError("the client closed the connection"))
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_exception(ConnectionResetError("the client closed the connection"))
+
+    def pause_writing(self) -> None:
+        if self._writable is None or self._writable.done():
+            self._writable = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            self._lingering -= min(len(data), self._lingering)
+            if not self._lingering:
+                self.transport.close()
+            return
+        if self._closing:
+            return
+        if self._in_head:  # a head left unfinished by the last read: its pieces are counted
+            self._head_size += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Upgrade (h2c, websocket) is not served: this request is answered over
+            # HTTP/1.1 and the connection closes, the upgraded bytes unread.
+            if self._queue:
+                self._queue[-1].keep_alive = False
+            self._closing = True
+        except Exception as e:  # every parser error is the client's
+            self._refuse(e)
+            return
+        # httptools joins a header's pieces itself, so a head trickled forever is cut here:
+        # at most MAX_HEAD bytes after the read it began in.
+        if self._in_head and self._head_size > MAX_HEAD:
+            self._refuse(_Refused("head too large"))
+
+    def eof_received(self) -> bool | None:
+        """The client closed its side: it is gone (as aiohttp's server took it), so the
+        transport closes and its request's handler is cancelled (connection_lost)."""
+        return None
+
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._head_size = 0
+        self._url = b""
+        self._headers = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > MAX_LINE:
+            raise _Refused("request line too long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_LINE:
+            raise _Refused("header too long")
+        if len(self._headers) >= MAX_HEADERS:
+            raise _Refused("too many headers")
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        parser = self._parser
+        request = Request(
+            self,
+            self.server.app,
+            parser.get_method().decode("ascii", "replace"),
+            self._url.decode("latin-1"),
+            parser.get_http_version(),
+            CIMultiDict(self._headers),
+            parser.should_keep_alive() and parser.get_http_version() == "1.1",
+        )
+        self._parsing = request
+        self._queue.append(request)
+        if len(self._queue) > MAX_PIPELINED:
+            self._pause()
+        if self._task is None:
+            self._start(request)
+
+    def on_body(self, body: bytes) -> None:
+        assert self._parsing is not None
+        self._parsing.feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._parsing is not None:
+            self._parsing.end()
+        self._parsing = None
+
+    # For the request and its answer (wire.Connection)
+
+    def pause_body(self) -> None:
+        self._body_paused = True
+        self._pause()
+
+    def resume_body(self) -> None:
+        self._body_paused = False
+        if len(self._queue) <= MAX_PIPELINED:
+            self._resume()
+
+    def send_continue(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    async def drain(self) -> None:
+        if self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        if self._writable is not None and not self._writable.done():
+            await self._writable
+
+    def decorate(self, request: Request, headers: dict[str, str]) -> None:
+        hook = self.server.decorate
+        if hook is not None:
+            hook(request, headers)
+
+    # Answering
+
+    def _start(self, request: Request) -> None:
+        self._disarm()
+        self._task = self._loop.create_task(self._answer(request))
+
+    async def _answer(self, request: Request) -> None:
+        started = time.perf_counter()
+        status = 499
+        try:
+            response = await self.server.handler(request)
+            status = response.status
+            if isinstance(response, StreamResponse):
+                if not response.prepared:  # a handler's mistake: nothing can be sent
+                    request.keep_alive = False
+                else:
+                    await response.write_eof()
+            else:
+                self._write(request, response)
+        except (asyncio.CancelledError, ConnectionError):
+            request.keep_alive = False
+        except Exception:
+            log.exception("internal error answering %s", request.path[:200])
+            request.keep_alive = False
+        finally:
+            if self.server.access is not None:
+                self.server.access(request, status, time.perf_counter() - started)
+        self._done(request)
+
+    def _write(self, request: Request, response: Response) -> None:
+        transport = self.transport
+        if transport.is_closing():
+            return
+        self.decorate(request, response.headers)
+        keep_alive = request.keep_alive and request.complete()
+        head = head_bytes(response.status, response.headers, keep_alive, len(response.body))
+        transport.write(head if request.method == "HEAD" else head + response.body)
+
+    def _done(self, request: Request) -> None:
+        self._task = None
+        if self._queue and self._queue[0] is request:
+            self._queue.popleft()
+        if self._closing or self.transport.is_closing():
+            self.transport.close()
+            return
+        if not request.keep_alive or not request.complete():
+            self._close_after(request)
+            return
+        if len(self._queue) <= MAX_PIPELINED and not self._body_paused:
+            self._resume()
+        if self._queue:
+            self._start(self._queue[0])
+        else:
+            self._arm()  # idle keep-alive
+
+    def _close_after(self, request: Request) -> None:
+        """Closes once the answer is out. A body still arriving is read and dropped first,
+        for at most LINGER_SECONDS and LINGER_BYTES (lingering close)."""
+        self._closing = True
+        if request.complete():
+            self.transport.close()
+            return
+        request.discard()
+        self._lingering = LINGER_BYTES
+        self._resume()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._loop.call_later(LINGER_SECONDS, self.transport.close)
+
+    def _refuse(self, error: Exception) -> None:
+        """A request the parser or the head bounds refused: a JSON 400 naming the kind of
+        mistake, never the client's bytes, and the connection closes."""
+        self._closing = True
+        kind = str(error) if isinstance(error, _Refused) else type(error).__name__
+        if _BUDGET.take(time.monotonic()):
+            more = f" ({_BUDGET.suppressed} more not logged)" if _BUDGET.suppressed else ""
+            _BUDGET.suppressed = 0
+            peer = self.transport.get_extra_info("peername")
+            log.warning(
+                "rejected an unparsable HTTP request from %s: %s%s",
+                peer[0] if peer else "-",
+                kind,
+                more,
+            )
+        err = GatewayError(
+            400, f"The request is not valid HTTP/1.1 ({kind}).", code="invalid_http_request"
+        )
+        if self._parsing is not None and not self._in_head:
+            # Its body broke the framing: its handler answers this error when it reads.
+            self._parsing.fail(err)
+            self._parsing.keep_alive = False
+            return
+        if self._task is not None:  # the answer in progress goes out first, then the close
+            for request in self._queue:
+                request.keep_alive = False
+            return
+        body = err.json()
+        headers = {"Content-Type": "application/json"}
+        self.transport.write(head_bytes(400, headers, False, len(body)) + body)
+        self.transport.close()
+
+    # Reading and the idle timer
+
+    def _pause(self) -> None:
+        if not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        if self._paused and not self.transport.is_closing():
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._timer = self._loop.call_later(self.server.idle_seconds, self._idle)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _idle(self) -> None:
+        self._timer = None
+        if self._task is None:
+            self.transport.close()
+
+
+class Server:
+    """Listens and serves `handler` on every connection; `shutdown` closes them."""
+
+    def __init__(
+        self,
+        app: Any,
+        handler: Handler,
+        *,
+        idle_seconds: float = 75.0,
+        access: Access | None = None,
+        decorate: Callable[[Request, dict[str, str]], None] | None = None,
+    ) -> None:
+        self.app = app
+        self.handler = handler
+        self.idle_seconds = idle_seconds
+        self.access = access
+        self.decorate = decorate
+        self.connections: set[HttpConnection] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int, sock: Any = None, backlog: int = 2048) -> int:
+        """Starts listening (on `sock` if given); returns the bound port."""
+        loop = asyncio.get_running_loop()
+        if sock is not None:
+            self._server = await loop.create_server(
+                lambda: HttpConnection(self), sock=sock, backlog=backlog
+            )
+        else:
+            self._server = await loop.create_server(
+                lambda: HttpConnection(self), host, port, backlog=backlog, reuse_address=True
+            )
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def shutdown(self, timeout: float = 1.0) -> None:
+        """Stops listening; closes idle connections at once and the rest when their answer
+        ends, cancelling what is still open after `timeout` seconds."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        tasks = []
+        for conn in list(self.connections):
+            conn._closing = True
+            if conn._task is None:
+                conn.transport.close()
+            else:
+                tasks.append(conn._task)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=timeout)
+        for conn in list(self.connections):
+            conn.transport.close()
