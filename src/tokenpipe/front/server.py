@@ -7,7 +7,8 @@ gateway's (benchmarks/profile_request.py, pinned); a request here is one parser 
 one small object and one write per answer. uvicorn's httptools protocol is the same idea
 behind ASGI's message dicts, which this path would pay for twice (docs/performance.md).
 
-Bounds (each answered with a JSON 400 that echoes nothing, then the connection closes):
+Bounds (each answered with a JSON 414 or 431 that echoes nothing, then the connection
+closes; other unparsable requests get a 400 alike):
 the request line and each header at most MAX_LINE bytes, the whole head MAX_HEAD, at most
 MAX_HEADERS headers. A new connection's head must arrive, and an idle kept-alive connection
 send its next request, within `idle_seconds`. At most MAX_PIPELINED requests wait behind the
@@ -56,7 +57,12 @@ _BUDGET = LogBudget()
 
 
 class _Refused(Exception):
-    """A head over its bounds (raised inside a parser callback)."""
+    """A head over its bounds (raised inside a parser callback), with its status: 414 for
+    the request line (RFC 9112 3), 431 for the headers (RFC 6585 5)."""
+
+    def __init__(self, what: str, status: int = 431) -> None:
+        super().__init__(what)
+        self.status = status
 
 
 class HttpConnection(asyncio.Protocol):
@@ -129,7 +135,9 @@ class HttpConnection(asyncio.Protocol):
                 self._queue[-1].keep_alive = False
             self._closing = True
         except Exception as e:  # every parser error is the client's
-            self._refuse(e)
+            # A callback's own exception (a bound: _Refused) is the parser error's context.
+            cause = e.__context__
+            self._refuse(cause if isinstance(cause, _Refused) else e)
             return
         # httptools joins a header's pieces itself, so a head trickled forever is cut here:
         # at most MAX_HEAD bytes after the read it began in.
@@ -152,7 +160,7 @@ class HttpConnection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self._url += url
         if len(self._url) > MAX_LINE:
-            raise _Refused("request line too long")
+            raise _Refused("request target too long", 414)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) + len(value) > MAX_LINE:
@@ -289,6 +297,7 @@ class HttpConnection(asyncio.Protocol):
         mistake, never the client's bytes, and the connection closes."""
         self._closing = True
         kind = str(error) if isinstance(error, _Refused) else type(error).__name__
+        status = error.status if isinstance(error, _Refused) else 400
         if _BUDGET.take(time.monotonic()):
             more = f" ({_BUDGET.suppressed} more not logged)" if _BUDGET.suppressed else ""
             _BUDGET.suppressed = 0
@@ -300,7 +309,7 @@ class HttpConnection(asyncio.Protocol):
                 more,
             )
         err = GatewayError(
-            400, f"The request is not valid HTTP/1.1 ({kind}).", code="invalid_http_request"
+            status, f"The request is not valid HTTP/1.1 ({kind}).", code="invalid_http_request"
         )
         if self._parsing is not None and not self._in_head:
             # Its body broke the framing: its handler answers this error when it reads.
@@ -313,7 +322,7 @@ class HttpConnection(asyncio.Protocol):
             return
         body = err.json()
         headers = {"Content-Type": "application/json"}
-        self.transport.write(head_bytes(400, headers, False, len(body)) + body)
+        self.transport.write(head_bytes(status, headers, False, len(body)) + body)
         self.transport.close()
 
     # Reading and the idle timer
