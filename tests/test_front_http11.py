@@ -1,13 +1,15 @@
 """The HTTP/1.1 contract of the gateway's client-facing front, pinned over raw loopback
 sockets against a real gateway and a real sim, so that it holds whichever server implements
-the front (aiohttp's web server, or a hand-written one on httptools): pipelining, HTTP/1.0
+the front (front/server.py on httptools; aiohttp's web server before it): pipelining, HTTP/1.0
 clients, `Expect: 100-continue` with a chunked body, HEAD, bounds on the request head, an
 oversized body, keep-alive, and the deadline on a connection's head.
 
 Every read has a deadline and waits for a condition (an answer complete, an EOF), never for a
 fixed time. The answers are parsed by the small strict HTTP/1.1 reader below, which is
-independent of the server's parser. What today's front does against HTTP/1.1 (RFC 9110/9112)
-is written as the correct behaviour and marked `xfail(strict=True)`, with the reason.
+independent of the server's parser. Five of these failed on aiohttp's front (RFC 9110/9112:
+100 Continue sent for a body already known to be over the limit, 400 for an over-long request
+target instead of 414, an HTTP/1.0 rejection without `Connection: close`, an oversized body
+read for 10 s after its 413).
 """
 
 from __future__ import annotations
@@ -367,13 +369,6 @@ def test_expect_100_continue_then_a_chunked_body_gets_the_completion(gw: procs.S
         assert w.answer().status == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RFC 9110 10.1.1: when the final status can be determined from the head alone "
-    "(a Content-Length over the limit: 413), the server must send it at once instead of "
-    "100 Continue; today's front (aiohttp's expect handler) sends 100 Continue, inviting "
-    "the 64 MiB body, and then the 413",
-)
 def test_expect_100_continue_with_a_body_over_the_limit_gets_413_not_100(
     gw: procs.Service,
 ) -> None:
@@ -458,24 +453,12 @@ def test_heads_within_the_bounds_are_served(gw: procs.Service) -> None:
             assert (a.status, a.json()) == (200, {"status": "ok"}), data[:60]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RFC 9112 3: a server that receives a request-target longer than any URI it "
-    "wishes to parse MUST respond with 414 (URI Too Long); today's front answers 400 "
-    "(aiohttp's LineTooLong)",
-)
 def test_a_request_target_over_the_bound_is_414(gw: procs.Service) -> None:
     a = _rejected(gw.port, HEADS["request line over 16 KiB"])
     assert a.status == 414, a.status
     json_4xx(a, FILLER)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RFC 9112 2.3: a server SHOULD answer in its own highest version (HTTP/1.1), and "
-    "9.6: one that closes SHOULD say `Connection: close`; today's front rejects an HTTP/1.1 "
-    "request's over-bound headers as `HTTP/1.0 400` with no Connection header",
-)
 @pytest.mark.parametrize("case", ["one header over 16 KiB", "200 headers"])
 def test_a_rejected_http11_head_is_answered_in_http11_with_connection_close(
     gw: procs.Service, case: str
@@ -510,13 +493,6 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read(gw: procs.Service) -> 
     healthz_ok(gw.port)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after the 413 today's front (aiohttp's lingering read, 10 s) goes on reading and "
-    "dropping the body: a client that keeps sending is read for 10 s (~64 MB here) and the "
-    "413 does not say `Connection: close`; the contract is a close within a few seconds, "
-    "announced, without reading the whole body",
-)
 def test_a_body_over_the_limit_is_not_read_and_the_connection_closes(
     gw: procs.Service,
 ) -> None:
