@@ -57,7 +57,9 @@ def _stream(
     end = st.stream_end(events[at].data)
     deltas = [i for i, e in enumerate(events) if content in e.data]
     assert deltas and max(deltas) < at < len(events) - 1
-    assert end["total"] >= end["first_token"] >= 10.0  # the sim's TTFT is 10 ms
+    # The sim's TTFT is 10 ms, on uvloop's timer: libuv keeps time in whole milliseconds and
+    # caches it per loop iteration, so the sleep can end up to 1 ms early by perf_counter.
+    assert end["total"] >= end["first_token"] >= 9.0
     assert end["max_gap"] <= end["total"] - end["first_token"]
     # The bench reads both as they are (one format): header phases and the comment's.
     rec = RequestRecord(index=0)
@@ -88,7 +90,7 @@ async def test_unary_and_streamed_answers_of_every_api_carry_server_timing(
     status, headers, _ = await _post(gateway.url + path, body)
     assert status == 200
     got = _unary(headers)
-    assert got["upstream_headers"] >= 10.0  # the sim answers after its TTFT and the tokens
+    assert got["upstream_headers"] >= 9.0  # the sim answers after its TTFT (to 1 ms, above)
     status, headers, raw = await _post(gateway.url + path, {**body, "stream": True})
     assert status == 200
     head, end = _stream(headers, raw, content)

@@ -77,7 +77,6 @@ class HttpConnection(asyncio.Protocol):
         self._parsing: Request | None = None
         self._url = b""
         self._headers: list[tuple[str, str]] = []
-        self._field = b""
         self._head_size = 0
         self._in_head = False
         # Parsed requests in order; the first is being answered by `_task`.
@@ -106,7 +105,7 @@ class HttpConnection(asyncio.Protocol):
         for request in self._queue:
             request.fail(ConnectionResetError("the client closed the connection"))
         if self._writable is not None and not self._writable.done():
-            self._writable.set_exception(ConnectionResetError("the client closed the connection"))
+            self._writable.set_result(None)  # a waiting write sees the close (drain)
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
@@ -217,6 +216,8 @@ class HttpConnection(asyncio.Protocol):
             raise ConnectionResetError("the client closed the connection")
         if self._writable is not None and not self._writable.done():
             await self._writable
+            if self.transport.is_closing():
+                raise ConnectionResetError("the client closed the connection")
 
     def decorate(self, request: Request, headers: dict[str, str]) -> None:
         hook = self.server.decorate
@@ -242,15 +243,31 @@ class HttpConnection(asyncio.Protocol):
                     await response.write_eof()
             else:
                 self._write(request, response)
-        except (asyncio.CancelledError, ConnectionError):
+        except (asyncio.CancelledError, ConnectionError) as e:
             request.keep_alive = False
+            if not self.transport.is_closing():  # not the client leaving: say so, don't vanish
+                log.warning("request %s ended by %s", request.rid, type(e).__name__)
+                status = self._fail(request)
         except Exception:
             log.exception("internal error answering %s", request.path[:200])
             request.keep_alive = False
+            status = self._fail(request)
         finally:
             if self.server.access is not None:
                 self.server.access(request, status, time.perf_counter() - started)
         self._done(request)
+
+    def _fail(self, request: Request) -> int:
+        """A 500 for a request whose answer broke before its head went out (a stream that
+        started ends at the close: its client sees no `[DONE]`)."""
+        if request.sse is not None and request.sse.prepared:
+            return 500
+        err = GatewayError(500, "Internal error in the gateway.")
+        headers = {"Content-Type": "application/json"}
+        if request.rid:
+            headers["x-request-id"] = request.rid
+        self._write(request, Response(500, err.json(), headers))
+        return 500
 
     def _write(self, request: Request, response: Response) -> None:
         transport = self.transport
