@@ -158,7 +158,7 @@ async def relay_sse(call: Call, response: StreamResponse, gate: FlowGate | None)
         # An error event is the stream's last: no [DONE] follows it (ARCHITECTURE.md), so a
         # client that stops at [DONE] never takes a cut answer for a whole one. The same holds
         # when the stream ended at the upstream's own error event (relayed as it came).
-        if error is not None:
+        if error is not None and not response.ended:  # (ended: its own last event went out)
             error.message = _cut_message(tally, error.message)
             await response.write(end() + call.dialect.error_event(error))
     except ConnectionResetError:  # the client went away (a write, or the wait to write)
@@ -168,7 +168,8 @@ async def relay_sse(call: Call, response: StreamResponse, gate: FlowGate | None)
         # stream, not a response that never ends (the middleware cannot answer any more).
         log.exception("internal error while streaming")
         error = GatewayError(500, _cut_message(tally, "internal error in the gateway"))
-        await response.write(end() + call.dialect.error_event(error))
+        if not response.ended:
+            await response.write(end() + call.dialect.error_event(error))
     await response.write_eof()
     return 200 if error is None else error.status
 

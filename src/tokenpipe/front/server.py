@@ -280,6 +280,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _done(self, request: Request) -> None:
         self._task = None
+        request.sse = request.error_event = None  # (no cycle with its answer to outlive it)
         if self._queue and self._queue[0] is request:
             self._queue.popleft()
         if self._closing or self.transport.is_closing():

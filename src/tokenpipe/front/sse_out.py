@@ -72,8 +72,9 @@ def emit_sse(
             out.append(piece.event())
         return b"".join(out)
 
+    # The stream's last event (`Piece.end`: the parser stops at it) carries the body's end.
     async def emit(pieces: list[Piece]) -> None:
-        await response.write(encode(pieces))
+        await response.write(encode(pieces), pieces[-1].end)
 
     transport = response.transport
     low = transport.get_write_buffer_limits()[0]
@@ -83,6 +84,6 @@ def emit_sse(
         return transport.get_write_buffer_size() <= low
 
     def write_now(pieces: list[Piece]) -> None:
-        send(encode(pieces))
+        send(encode(pieces), pieces[-1].end)
 
     return emit, write_now, ready

@@ -243,21 +243,29 @@ class StreamResponse:
         assert self.request is not None, "prepare() first"
         return self.request.conn.transport
 
-    def send(self, data: bytes) -> None:
-        """Writes `data` now, never waiting (the relay's direct write, once per token)."""
+    def send(self, data: bytes, last: bool = False) -> None:
+        """Writes `data` now, never waiting (the relay's direct write, once per token).
+        `last`: the stream's last event; the body's end goes in the same write (one syscall
+        fewer a request), and nothing may follow (RuntimeError)."""
+        if self.ended:
+            raise RuntimeError("the stream has ended")
         transport = self.transport
         if transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
+        if not data and not last:
+            return  # (an empty chunk would end the body)
         if self.chunked:
-            data = b"%x\r\n%b\r\n" % (len(data), data)
+            framing = b"%x\r\n%b\r\n0\r\n\r\n" if last else b"%x\r\n%b\r\n"
+            data = framing % (len(data), data) if data else b"0\r\n\r\n"
         if self._head is not None:
             data, self._head = self._head + data, None
+        self.ended = last
         transport.write(data)
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes, last: bool = False) -> None:
         """Writes `data`, then waits while the client's send buffer is over its high mark."""
         if data:
-            self.send(data)
+            self.send(data, last)
             await self.drain()
 
     async def drain(self) -> None:
