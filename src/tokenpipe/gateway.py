@@ -12,7 +12,7 @@ from typing import Any
 from tokenpipe import serving
 from tokenpipe.front import http as front_http
 from tokenpipe.front.app import Front
-from tokenpipe.front.server import Server
+from tokenpipe.front.listener import Server
 from tokenpipe.observe import otel
 from tokenpipe.observe.runtime import RuntimeSampler
 from tokenpipe.pipeline import Gateway

@@ -21,8 +21,8 @@ from tokenpipe.front.answer import serve
 from tokenpipe.front.app import Front
 from tokenpipe.front.edge import CLIENT_CLOSED, arrive, error_response, request_id
 from tokenpipe.front.embeddings import embeddings
+from tokenpipe.front.listener import Server
 from tokenpipe.front.responses import responses
-from tokenpipe.front.server import Server
 from tokenpipe.front.wire import Request, Response, StreamResponse, json_response
 from tokenpipe.observe import logs, metrics, tracing
 from tokenpipe.pipeline import Gateway

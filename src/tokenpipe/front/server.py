@@ -25,7 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 from multidict import CIMultiDict
@@ -56,6 +56,17 @@ Access = Callable[[Request, int, float], None]
 _BUDGET = LogBudget()
 
 
+class Hosting(Protocol):
+    """What a connection needs of the server that accepted it (front/listener.py)."""
+
+    app: Any
+    handler: Handler
+    idle_seconds: float
+    access: Access | None
+    decorate: Callable[[Request, dict[str, str]], None] | None
+    connections: set[HttpConnection]
+
+
 class _Refused(Exception):
     """A head over its bounds (raised inside a parser callback), with its status: 414 for
     the request line (RFC 9112 3), 431 for the headers (RFC 6585 5)."""
@@ -68,7 +79,7 @@ class _Refused(Exception):
 class HttpConnection(asyncio.Protocol):
     """One client connection: parses requests, answers them one at a time, in order."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Hosting) -> None:
         self.server = server
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self._parser = httptools.HttpRequestParser(self)
@@ -368,59 +379,3 @@ class HttpConnection(asyncio.Protocol):
         self._timer = None
         if self._task is None:
             self.transport.close()
-
-
-class Server:
-    """Listens and serves `handler` on every connection; `shutdown` closes them."""
-
-    def __init__(
-        self,
-        app: Any,
-        handler: Handler,
-        *,
-        idle_seconds: float = 75.0,
-        access: Access | None = None,
-        decorate: Callable[[Request, dict[str, str]], None] | None = None,
-    ) -> None:
-        self.app = app
-        self.handler = handler
-        self.idle_seconds = idle_seconds
-        self.access = access
-        self.decorate = decorate
-        self.connections: set[HttpConnection] = set()
-        self._server: asyncio.Server | None = None
-
-    async def start(self, host: str, port: int, sock: Any = None, backlog: int = 2048) -> int:
-        """Starts listening (on `sock` if given); returns the bound port."""
-        loop = asyncio.get_running_loop()
-        if sock is not None:
-            self._server = await loop.create_server(
-                lambda: HttpConnection(self), sock=sock, backlog=backlog
-            )
-        else:
-            self._server = await loop.create_server(
-                lambda: HttpConnection(self), host, port, backlog=backlog, reuse_address=True
-            )
-        return int(self._server.sockets[0].getsockname()[1])
-
-    async def shutdown(self, timeout: float = 1.0) -> None:
-        """Stops listening; closes idle connections at once and the rest when their answer
-        ends, cancelling what is still open after `timeout` seconds."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        tasks = []
-        for conn in list(self.connections):
-            conn._closing = True
-            if conn._task is None:
-                conn.transport.close()
-            else:
-                tasks.append(conn._task)
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=timeout)
-        for conn in list(self.connections):
-            conn.transport.close()
