@@ -97,6 +97,25 @@ async def test_a_gzip_bomb_meets_the_body_limit(edge: procs.Service) -> None:
     assert zlib  # deflate is covered above
 
 
+def _peak_rss(pid: int) -> int:
+    """The process's peak resident set so far (Linux's VmHWM), bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+async def test_a_bomb_in_one_read_is_inflated_only_up_to_the_limit(edge: procs.Service) -> None:
+    """64 MiB of spaces in under 64 KiB (this gateway's limit), arriving in a read or two: it
+    is inflated step by step against the limit, never whole (the peak memory hardly moves)."""
+    bomb = gzip.compress(b" " * (64 << 20))
+    headers = {**_auth(), "Content-Encoding": "gzip"}
+    before = _peak_rss(edge.pid)
+    status, _, body = await _post(edge.url + "/v1/chat/completions", bomb, headers)
+    assert status == 413 and _error(body)["code"] == "request_too_large"
+    assert _peak_rss(edge.pid) - before < 16 << 20
+
+
 @pytest.mark.parametrize("rate", ["inf", "nan", "-5", "1e300", "fast"])
 async def test_a_bad_pace_header_is_a_400_before_the_stream(edge: procs.Service, rate: str) -> None:
     headers = {**_auth(), "x-tokenpipe-max-tokens-per-second": rate}

@@ -9,6 +9,7 @@ import re
 import socket
 import time
 import zlib
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from tokenpipe import request_ids
@@ -31,8 +32,6 @@ CLIENT_CLOSED = 499
 #: Bytes a compressed body is inflated by at a time: a gzip bomb meets the body limit (413)
 #: in bounded memory.
 _INFLATE_STEP = 64 * 1024
-
-__all__ = ["SSE_HEADERS", "Arrival", "arrive", "error_response", "json_response"]
 
 
 class Arrival(NamedTuple):
@@ -137,7 +136,9 @@ class _Inflate:
         self.name = name
         self.inflater: zlib._Decompress | None = None
 
-    def __call__(self, data: bytes) -> list[bytes]:
+    def __call__(self, data: bytes) -> Iterator[bytes]:
+        """The inflated pieces of `data`, one step at a time: the caller's limit stops the
+        inflating (a bomb in one read never sits whole in memory)."""
         if self.inflater is None:
             if self.name == "deflate":  # zlib-wrapped (RFC 9110) or raw, as browsers send
                 wbits = zlib.MAX_WBITS if data[:1] and data[0] & 0x0F == 8 else -zlib.MAX_WBITS
@@ -145,10 +146,9 @@ class _Inflate:
                 wbits = 16 + zlib.MAX_WBITS
             self.inflater = zlib.decompressobj(wbits)
         d = self.inflater
-        out = [d.decompress(data, _INFLATE_STEP)]
+        yield d.decompress(data, _INFLATE_STEP)
         while d.unconsumed_tail:
-            out.append(d.decompress(d.unconsumed_tail, _INFLATE_STEP))
-        return out
+            yield d.decompress(d.unconsumed_tail, _INFLATE_STEP)
 
     def finished(self) -> bool:
         return self.inflater is None or self.inflater.eof
@@ -167,22 +167,19 @@ async def _read_within_limit(request: Request, limit: int, inflate: _Inflate | N
         chunk = await request.readany()  # raises the connection's 400 for broken framing
         if not chunk:
             break
-        if inflate is None:
-            pieces = [chunk]
-        else:
-            try:
-                pieces = inflate(chunk)
-            except zlib.error as e:
-                raise _undecodable(e) from None
-        for piece in pieces:
-            size += len(piece)
-            if size > limit:  # sizes count decompressed bytes
-                raise GatewayError(
-                    413,
-                    f"Request body is over the limit of {limit} bytes.",
-                    code="request_too_large",
-                )
-            parts.append(piece)
+        pieces: Iterable[bytes] = (chunk,) if inflate is None else inflate(chunk)
+        try:
+            for piece in pieces:
+                size += len(piece)
+                if size > limit:  # sizes count decompressed bytes
+                    raise GatewayError(
+                        413,
+                        f"Request body is over the limit of {limit} bytes.",
+                        code="request_too_large",
+                    )
+                parts.append(piece)
+        except zlib.error as e:
+            raise _undecodable(e) from None
     if inflate is not None and not inflate.finished():
         raise _undecodable(EOFError("truncated"))
     return b"".join(parts)
