@@ -208,16 +208,17 @@ def _access(request: Request, status: int, seconds: float) -> None:
     """One structured record per request on `tokenpipe.access`."""
     if not access_log.isEnabledFor(logging.INFO):
         return
+    path = _safe_path(request)
     access_log.info(
         "%s %s %d %.1f ms",
         request.method,
-        _safe_path(request),
+        path,
         status,
         seconds * 1000,
         extra={
             "request_id": request.rid,
             "method": request.method,
-            "path": _safe_path(request),
+            "path": path,
             "status": status,
             "duration_ms": round(seconds * 1000, 3),
         },

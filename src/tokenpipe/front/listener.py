@@ -50,13 +50,7 @@ class Server:
         if self._server is not None:
             self._server.close()
             self._server = None
-        tasks = []
-        for conn in list(self.connections):
-            conn._closing = True
-            if conn._task is None:
-                conn.transport.close()
-            else:
-                tasks.append(conn._task)
+        tasks = [t for conn in list(self.connections) if (t := conn.close_when_done())]
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=timeout)
             for task in pending:

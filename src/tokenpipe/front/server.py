@@ -354,6 +354,13 @@ class HttpConnection(asyncio.Protocol):
         self.transport.write(head_bytes(status, headers, False, len(body)) + body)
         self.transport.close()
 
+    def close_when_done(self) -> asyncio.Task[None] | None:
+        """For shutdown: closes now if idle, else after the answer in progress (returned)."""
+        self._closing = True
+        if self._task is None:
+            self.transport.close()
+        return self._task
+
     # Reading and the idle timer
 
     def _pause(self) -> None:

@@ -116,16 +116,7 @@ class Request:
     def transport(self) -> asyncio.Transport:
         return self.conn.transport
 
-    @property
-    def remote(self) -> str:
-        peer = self.conn.transport.get_extra_info("peername")
-        return str(peer[0]) if peer else "-"
-
     # The body, read by the handler.
-
-    def at_eof(self) -> bool:
-        """All of the body is here and read (or there was none)."""
-        return self._eof and not self._chunks
 
     def complete(self) -> bool:
         """All of the body arrived (read or not)."""
