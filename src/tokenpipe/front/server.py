@@ -37,6 +37,7 @@ from tokenpipe.front.wire import (
     Response,
     StreamResponse,
     head_bytes,
+    json_response,
 )
 from tokenpipe.rejections import LogBudget
 
@@ -273,11 +274,9 @@ class HttpConnection(asyncio.Protocol):
         started ends at the close: its client sees no `[DONE]`)."""
         if request.sse is not None and request.sse.prepared:
             return 500
-        err = GatewayError(500, "Internal error in the gateway.")
-        headers = {"Content-Type": "application/json"}
-        if request.rid:
-            headers["x-request-id"] = request.rid
-        self._write(request, Response(500, err.json(), headers))
+        headers = {"x-request-id": request.rid} if request.rid else None
+        body = GatewayError(500, "Internal error in the gateway.").json()
+        self._write(request, json_response(500, body, headers))
         return 500
 
     def _write(self, request: Request, response: Response) -> None:
