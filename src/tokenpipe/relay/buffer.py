@@ -57,6 +57,7 @@ class Accumulator:
         "pending",
         "ready",
         "size",
+        "wake",
         "write_error",
         "write_now",
     )
@@ -78,7 +79,10 @@ class Accumulator:
         #: it can take more (`ready`); the reader writes directly only when both are given.
         self.write_now = write_now
         self.ready = ready
-        self.idle = False  # the writer is parked in wait_data with nothing pending
+        #: No writer at work: none started yet (`wake` starts it), or parked in wait_data.
+        self.idle = True
+        #: Called when a piece queues and no writer runs yet (relay_stream's: starts it).
+        self.wake: Callable[[], None] | None = None
         self.write_error: BaseException | None = None  # a direct write failed (client gone)
         self._data = asyncio.Event()
         self._drained = asyncio.Event()
@@ -149,6 +153,8 @@ class Accumulator:
         self.size += piece.size
         Accumulator.total_bytes += piece.size
         self._data.set()
+        if self.wake is not None:
+            self.wake()
 
     async def wait_below_low(self) -> None:
         """Called by the reader after a read: waits while the writer is behind."""
