@@ -12,8 +12,10 @@ import pytest
 
 from tokenpipe import sse
 from tokenpipe.dialects import CHAT, Piece
+from tokenpipe.errors import GatewayError
 from tokenpipe.relay.buffer import Accumulator
 from tokenpipe.relay.events import EventParser
+from tokenpipe.relay.stream import relay_stream
 from tokenpipe.relay.tally import StreamTally
 
 
@@ -183,3 +185,82 @@ def test_a_delta_with_a_role_or_a_tool_call_is_never_merged_into() -> None:
     assert [p.count for p in out] == [1, 1, 1, 2]  # only the last two plain deltas joined
     assert out[0].event() == reads[0] and out[2].event() == reads[2]  # passed as sent
     assert orjson.loads(out[3].event()[6:-2])["choices"][0]["delta"] == {"content": " more text"}
+
+
+async def test_a_client_that_keeps_up_is_written_by_the_reader_in_the_callers_task() -> None:
+    pieces, _ = _parse(STREAM, False)
+    written: list[bytes] = []
+    tasks_seen: list[int] = []
+    me = asyncio.current_task()
+
+    def write_now(ps: list[Piece]) -> None:
+        assert asyncio.current_task() is me  # the reader runs in the caller's task
+        written.extend(p.event() for p in ps)
+
+    async def emit(ps: list[Piece]) -> None:
+        raise AssertionError("no writer task for a client that keeps up")
+
+    async def read(acc: Accumulator) -> None:
+        for p in pieces:
+            acc.deliver([p])
+            tasks_seen.append(len(asyncio.all_tasks()))
+            await asyncio.sleep(0)
+
+    before = len(asyncio.all_tasks())
+    assert await relay_stream(read, emit, write_now=write_now, ready=lambda: True) is None
+    assert written == [p.event() for p in pieces]
+    assert set(tasks_seen) == {before}  # no task was started for the stream
+
+
+async def test_what_queues_is_sent_by_a_writer_task_in_order_and_the_error_returned() -> None:
+    pieces, _ = _parse(STREAM, False)
+    sent: list[Piece] = []
+    client_ready = True
+    broke = GatewayError(502, "cut", code="upstream_stream_truncated")
+
+    def write_now(ps: list[Piece]) -> None:
+        sent.extend(ps)
+
+    async def emit(ps: list[Piece]) -> None:
+        assert asyncio.current_task() is not me
+        sent.extend(ps)
+
+    async def read(acc: Accumulator) -> GatewayError:
+        nonlocal client_ready
+        for i, p in enumerate(pieces[:10]):
+            client_ready = i not in (3, 4, 5)  # the client falls behind for three pieces
+            acc.deliver([p])
+            await asyncio.sleep(0)
+        return broke
+
+    me = asyncio.current_task()
+    error = await relay_stream(read, emit, write_now=write_now, ready=lambda: client_ready)
+    assert error is broke
+    assert "".join(p.text for p in sent) == "".join(p.text for p in pieces[:10])
+
+
+async def test_a_failed_write_of_the_writer_task_stops_the_reader_and_is_raised() -> None:
+    pieces, _ = _parse(STREAM, False)
+    reading = asyncio.Event()
+    reader_cancelled = False
+
+    async def emit(ps: list[Piece]) -> None:
+        await reading.wait()
+        raise ConnectionResetError("the client went away")
+
+    async def read(acc: Accumulator) -> None:
+        nonlocal reader_cancelled
+        acc.deliver([pieces[0]])  # no direct writes: it queues, the writer task starts
+        reading.set()
+        try:
+            await asyncio.Event().wait()  # an upstream that sends nothing more
+        except asyncio.CancelledError:
+            reader_cancelled = True
+            raise
+
+    with pytest.raises(ConnectionResetError):
+        await relay_stream(read, emit)
+    assert reader_cancelled
+    me = asyncio.current_task()
+    assert me is not None and me.cancelling() == 0  # the writer's cancel does not linger
+    await asyncio.sleep(0)  # (a pending cancel would be raised here)
