@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import orjson
 
 from tokenpipe import usage as usage_mod
+from tokenpipe.clock import Timeout
 from tokenpipe.context.budget import ContextBudget, ContextOutcome
 from tokenpipe.control.auth import Authenticator
 from tokenpipe.control.deadline import Scope
@@ -229,7 +230,7 @@ async def _within(scope: Scope, step: Awaitable[T], where: str) -> T:
     if not scope.bounded:
         return await step
     try:
-        async with asyncio.timeout(scope.left()):
+        with Timeout(scope.left()):
             return await step
     except TimeoutError:
         if scope.passed():

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenpipe import sse
+from tokenpipe.clock import Timeout
 from tokenpipe.control.budget import backoff
 from tokenpipe.control.deadline import Scope
 from tokenpipe.control.traffic import Ticket
@@ -180,7 +181,7 @@ async def send(
     a.sent_at = policy.clock.now()
     deadline = scope.cap(deadline)
     try:
-        async with asyncio.timeout(deadline):
+        with Timeout(deadline):
             try:
                 resp = await a.upstream.post(
                     req.dialect.path,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from tokenpipe.clock import Timeout
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
 from tokenpipe.relay.buffer import Accumulator
@@ -71,9 +72,9 @@ async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> 
     # wait set) until the earlier of hedge time and TTFT deadline; the race below starts
     # only when that passes.
     due = ttft_end if hedge_at is None else min(hedge_at, ttft_end)
-    timer = asyncio.timeout(max(0.0, due - now))
+    timer = Timeout(max(0.0, due - now))
     try:
-        async with timer:
+        with timer:
             await read_body(uresp, parser, acc, until_first=True)
     except TimeoutError:
         if not timer.expired():

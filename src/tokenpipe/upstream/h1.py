@@ -31,6 +31,7 @@ import time
 
 from yarl import URL
 
+from tokenpipe.clock import Timeout
 from tokenpipe.upstream.connection import MAX_HEAD_BYTES, Connection
 from tokenpipe.upstream.errors import (
     UpstreamDisconnected,
@@ -110,7 +111,7 @@ class Pool:
             if timeout is None:
                 return await head_future
             try:
-                async with asyncio.timeout(timeout):
+                with Timeout(timeout):
                     return await head_future
             except TimeoutError:  # only this bound's own (an outer one cancels)
                 raise UpstreamTimeout(f"no answer from the upstream in {timeout:g} s") from None

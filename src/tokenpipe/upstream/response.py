@@ -14,6 +14,7 @@ from typing import Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from tokenpipe.clock import Timeout
 from tokenpipe.upstream.errors import UpstreamTimeout
 
 #: Buffered body bytes above which the socket stops being read, and below which it resumes
@@ -139,7 +140,7 @@ class UpstreamResponse:
                     await self._waiter
                 else:
                     try:
-                        async with asyncio.timeout(self._read_timeout):
+                        with Timeout(self._read_timeout):
                             await self._waiter
                     except TimeoutError:  # only this bound's own (an outer one cancels)
                         raise UpstreamTimeout(
