@@ -15,9 +15,8 @@ async def _forever() -> None:
 
 async def test_past_its_bound_the_block_raises_timeout_and_leaves_no_cancel() -> None:
     timer = Timeout(0.001)
-    with pytest.raises(TimeoutError):
-        with timer:
-            await _forever()
+    with pytest.raises(TimeoutError), timer:
+        await _forever()
     assert timer.expired()
     me = asyncio.current_task()
     assert me is not None and me.cancelling() == 0
@@ -54,9 +53,8 @@ async def test_a_timeout_error_from_below_is_not_its_own() -> None:
     async def below() -> None:
         raise TimeoutError("a read timeout further down")
 
-    with pytest.raises(TimeoutError, match="further down"):
-        with timer:
-            await below()
+    with pytest.raises(TimeoutError, match="further down"), timer:
+        await below()
     assert not timer.expired()
 
 
