@@ -15,7 +15,8 @@ send its next request, within `idle_seconds`. At most MAX_PIPELINED requests wai
 one being answered (then the socket is not read until it is answered). A body is buffered up
 to wire.BODY_HIGH_WATER (then the socket is not read until the handler reads it); bodies
 themselves are bounded by the edge (front/edge.py). When a client disconnects, its request's
-handler task is cancelled at once, which closes the upstream stream.
+handler task is cancelled at once, which closes the upstream stream (unless the stream's last
+event already went out: then the handler ends as answered).
 """
 
 from __future__ import annotations
@@ -112,8 +113,15 @@ class HttpConnection(asyncio.Protocol):
         self.server.connections.discard(self)
         self._closing = True
         self._disarm()
-        if self._task is not None and not self._task.done():
-            self._task.cancel()  # the client went away: its upstream stream closes
+        task = self._task
+        if task is not None and not task.done():
+            answering = self._queue[0] if self._queue else None
+            sse = answering.sse if answering is not None else None
+            # A stream whose last event went out is answered: its handler only finishes its
+            # books (outcome, status, spans), within the request's deadline scope. Cut
+            # there, a client that closes at [DONE] was recorded as a 499 that cancelled.
+            if sse is None or not sse.ended:
+                task.cancel()  # the client went away mid-answer: its upstream stream closes
         for request in self._queue:
             request.fail(ConnectionResetError("the client closed the connection"))
         if self._writable is not None and not self._writable.done():

@@ -254,10 +254,12 @@ class StreamResponse:
         transport.write(data)
 
     async def write(self, data: bytes, last: bool = False) -> None:
-        """Writes `data`, then waits while the client's send buffer is over its high mark."""
+        """Writes `data`, then waits while the client's send buffer is over its high mark
+        (not after the last: nothing follows it, and the close flushes what is buffered)."""
         if data:
             self.send(data, last)
-            await self.drain()
+            if not last:
+                await self.drain()
 
     async def drain(self) -> None:
         assert self.request is not None
