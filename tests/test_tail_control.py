@@ -196,3 +196,25 @@ def test_hedge_delay_counts_cut_stalls_as_slower_than_every_ttft_seen() -> None:
     clock.advance(1)
     # With the stalls counted, the p95 of all requests is the top of the ordinary ones.
     assert tail.hedge_delay("u", "m", 0) == pytest.approx(0.109, rel=0.02)
+
+
+def test_the_deadline_gauge_shows_each_new_hedge_delay() -> None:
+    from tokenpipe.observe import metrics
+    from tokenpipe.router import Router
+    from tokenpipe.router.policy import Policy
+    from tokenpipe.settings import TailSettings
+
+    def shown() -> float | None:
+        labels = {"kind": "hedge_delay", "upstream": "gauged", "model": metrics.OTHER}
+        return metrics.REGISTRY.get_sample_value("tokenpipe_deadline_seconds", labels)
+
+    clock = ManualClock()
+    tail = Policy(TailSettings(), Router([]), clock)
+    assert tail.hedge_delay("gauged", "m", 0) == shown() == 1.0  # the static delay
+    for i in range(100):
+        tail.ttft_estimate("gauged", "m", 0).add(0.010 + i * 0.001)
+    assert shown() == 1.0  # (set when asked for, not when observed)
+    clock.advance(1)
+    learned = tail.hedge_delay("gauged", "m", 0)
+    assert learned == pytest.approx(0.105, rel=0.02) and shown() == learned
+    assert tail.hedge_delay("gauged", "m", 0) == shown() == learned  # unchanged: not set again

@@ -28,7 +28,7 @@ from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.dialects.chat_via_messages import ChatViaMessages
 from tokenpipe.dialects.messages_via_chat import MessagesViaChat
 from tokenpipe.errors import GatewayError
-from tokenpipe.observe import metrics, tracing
+from tokenpipe.observe import tracing
 from tokenpipe.observe.server_timing import Timing
 from tokenpipe.relay.buffer import WriteNow
 from tokenpipe.relay.events import EventParser, Record
@@ -260,7 +260,7 @@ class Call:
         self.parser = parser
         #: The request's phase marks (Server-Timing).
         self.timing = timing if timing is not None else Timing(tally.started_at)
-        self.gauge = metrics.child(metrics.INFLIGHT, *tally.labels)
+        self.gauge = tally.series.inflight
         self.gauge.inc()
 
     @property

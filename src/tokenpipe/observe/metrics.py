@@ -273,3 +273,41 @@ UPSTREAM_STATE = Gauge(
 )
 
 _index_labels()
+
+
+class RequestSeries:
+    """Every series a request touches for its labels (REQUEST_LABELS: api, upstream, model),
+    looked up once per request instead of once per metric (seven `child` calls a request,
+    each a tuple and two dict lookups). The status counter's children are looked up on use
+    (at most ~500 statuses, bounded by `child`)."""
+
+    __slots__ = ("completion", "duration", "inflight", "itl", "labels", "prompt", "tpot", "ttft")
+
+    def __init__(self, labels: tuple[str, str, str]) -> None:
+        self.labels = labels
+        self.ttft = child(TTFT, *labels)
+        self.itl = child(ITL, *labels)
+        self.tpot = child(TPOT, *labels)
+        self.duration = child(REQUEST_DURATION, *labels)
+        self.inflight = child(INFLIGHT, *labels)
+        self.prompt = child(TOKENS, "prompt", *labels)
+        self.completion = child(TOKENS, "completion", *labels)
+
+    def requests(self, status: int) -> Any:
+        return child(REQUESTS, str(status), *self.labels)
+
+
+#: RequestSeries by labels. Bound: _CHILDREN_MAX entries (cleared past it, as `_children`;
+#: a cleared bundle's children are the same objects once looked up again).
+_series: dict[tuple[str, str, str], RequestSeries] = {}
+
+
+def request_series(api: str, upstream: str, model: str) -> RequestSeries:
+    """The series of these labels, the model folded into OTHER unless allowed (as `child`)."""
+    key = (api, upstream, model if model in _models else OTHER)
+    found = _series.get(key)
+    if found is None:
+        if len(_series) >= _CHILDREN_MAX:
+            _series.clear()
+        found = _series[key] = RequestSeries(key)
+    return found

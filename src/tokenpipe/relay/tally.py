@@ -19,9 +19,9 @@ class StreamTally:
         "finished",
         "first_token_at",
         "itl",
-        "labels",
         "last_token_at",
         "max_gap",
+        "series",
         "started_at",
         "trace",
         "ttft",
@@ -38,7 +38,7 @@ class StreamTally:
     ) -> None:
         # The request metrics' labels (observe/metrics.REQUEST_LABELS); `api` is the route's
         # (Dialect.label), one of metrics.APIS.
-        self.labels = (api, upstream, model)
+        self.series = metrics.request_series(api, upstream, model)
         self.trace = trace
         self.started_at = started_at  # time.perf_counter() at request arrival
         self.first_token_at: float | None = None
@@ -50,13 +50,13 @@ class StreamTally:
         self.done = False  # the stream's own last event seen ([DONE]; not an error event)
         self.finished = False  # a finish_reason (or the upstream's error event) seen
         self.ttft: float | None = None
-        self.itl = metrics.child(metrics.ITL, *self.labels)
+        self.itl = self.series.itl
 
     def observe_content(self, now: float) -> None:
         if self.first_token_at is None:
             self.first_token_at = now
             self.ttft = now - self.started_at
-            metrics.child(metrics.TTFT, *self.labels).observe(self.ttft)
+            self.series.ttft.observe(self.ttft)
             self.trace.first_token(self.ttft)
         else:
             gap = now - self.last_token_at
@@ -68,20 +68,19 @@ class StreamTally:
 
     def finish(self, status: int) -> None:
         end = time.perf_counter()
-        labels = self.labels
-        child = metrics.child
-        child(metrics.REQUEST_DURATION, *labels).observe(end - self.started_at)
-        child(metrics.REQUESTS, str(status), *labels).inc()
+        series = self.series
+        series.duration.observe(end - self.started_at)
+        series.requests(status).inc()
         usage = self.usage
         tpot = None
         if usage:
             prompt = usage.get("prompt_tokens") or 0
             completion = usage.get("completion_tokens") or 0
-            child(metrics.TOKENS, "prompt", *labels).inc(prompt)
-            child(metrics.TOKENS, "completion", *labels).inc(completion)
+            series.prompt.inc(prompt)
+            series.completion.inc(completion)
             if self.first_token_at is not None and completion > 1:
                 tpot = (self.last_token_at - self.first_token_at) / (completion - 1)
-                child(metrics.TPOT, *labels).observe(tpot)
+                series.tpot.observe(tpot)
         self.trace.finish(
             status, end - self.started_at, self.ttft, tpot, usage, self.chunks, self.deltas
         )

@@ -69,6 +69,8 @@ class Policy:
         self._gap: dict[tuple[str, str], RollingQuantiles] = {}
         # (upstream, model, prompt class) -> first tokens that never came (only counted).
         self._censored: dict[tuple[str, str, int], RollingQuantiles] = {}
+        # (kind, upstream, model) -> the deadline gauge's value as last set.
+        self._deadlines_shown: dict[tuple[str, str, str], float] = {}
 
     # -- estimates and deadlines ------------------------------------------------------------
 
@@ -90,14 +92,14 @@ class Policy:
         if not self.settings.deadlines:
             return None
         value = self.ttft_rule.value(self.ttft_estimate(upstream, model, cls))
-        metrics.child(metrics.DEADLINE, "ttft", upstream, model).set(value)
+        self._show_deadline("ttft", upstream, model, value)
         return value
 
     def stall_deadline(self, upstream: str, model: str) -> float | None:
         if not self.settings.deadlines:
             return None
         value = self.stall_rule.value(self.gap_estimate(upstream, model))
-        metrics.child(metrics.DEADLINE, "stall", upstream, model).set(value)
+        self._show_deadline("stall", upstream, model, value)
         return value
 
     def censored(self, upstream: str, model: str, cls: int) -> None:
@@ -120,8 +122,20 @@ class Policy:
             cut = self._est(self._censored, (upstream, model, cls)).count
             q = est.quantile(min(1.0, h.quantile * (n + cut) / n))
         value = h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)
-        metrics.child(metrics.DEADLINE, "hedge_delay", upstream, model).set(value)
+        self._show_deadline("hedge_delay", upstream, model, value)
         return value
+
+    def _show_deadline(self, kind: str, upstream: str, model: str, value: float) -> None:
+        """The deadline gauge, set when the value changed (it changes at most once per
+        estimate refresh, 0.25 s; it is read up to three times per request). Bound: as the
+        estimators, 3 x MAX_ESTIMATORS keys (cleared past it, then set again as used)."""
+        key = (kind, upstream, model)
+        shown = self._deadlines_shown
+        if shown.get(key) != value:
+            if len(shown) >= 3 * MAX_ESTIMATORS:
+                shown.clear()
+            shown[key] = value
+            metrics.child(metrics.DEADLINE, kind, upstream, model).set(value)
 
     def send_limit(self) -> int:
         """Sends per request, the first included (`tail.retries`)."""
