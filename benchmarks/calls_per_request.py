@@ -1,0 +1,182 @@
+"""What one request costs, counted rather than timed: Python function calls per 1-token
+request (cProfile) and, with `--syscalls`, system calls per request (strace -c), for this
+tree and another checkout side by side. Counts do not move with the machine's noise, so a
+change of a few microseconds, which CPU time (relay_cost.py, +-10 us between rounds) cannot
+resolve, shows up here as calls removed.
+
+    python benchmarks/calls_per_request.py                          # ~40 s
+    python benchmarks/calls_per_request.py --base ../base/src --syscalls
+
+Each gateway runs under `python -m cProfile` in front of one sim (TTFT 0, no gaps), twice:
+once for the warm-up requests alone and once for the warm-up and `--requests` more; the
+difference of the two profiles, divided by `--requests`, is the request path's count with
+start-up and warm-up cancelled out. The table lists the calls per request and the functions
+called most, with the other tree's count beside them. cProfile slows the gateway ~2x: its
+times are not shown, only counts. `--syscalls` attaches `strace -c -f` to a third gateway run
+for the `--requests` after its warm-up (strace's own slowness does not change the counts).
+JSON in results/calls_per_request.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pstats
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, write_json
+
+from tokenpipe.bench import procs, run_load
+from tokenpipe.bench.procs import Service
+
+MODEL = "sim-model"
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+
+
+def _gateway(sim_url: str, src: str | None, prefix: list[str]) -> Service:
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    argv = [*prefix, "-m", "tokenpipe", "serve", "--port", "0", "--grpc-port", "0"]
+    argv += ["--upstream", sim_url + "/v1", "--log-level", "warning", "--drain-grace-seconds", "0"]
+    return Service(argv=argv, env=env if src else None, name="gateway-counted")
+
+
+async def _load(svc: Service, requests: int, concurrency: int) -> None:
+    if requests:
+        await run_load(
+            svc.url + "/v1",
+            MODEL,
+            concurrency=concurrency,
+            requests=requests,
+            max_tokens=1,
+            prompt_tokens=32,
+        )
+
+
+def _name(key: tuple[str, int, str]) -> str:
+    """A function's name the same in both trees: its file inside the package or library,
+    without line numbers or object addresses, which differ between checkouts."""
+    path, _line, func = key
+    short = path.split("site-packages/")[-1].split("src/")[-1].split("lib/python3.11/")[-1]
+    name = _ADDRESS.sub("", func)
+    return f"{short}:{name}" if short != "~" else name
+
+
+async def _profile(sim_url: str, src: str | None, requests: int, args: Any) -> dict[str, int]:
+    """Calls by function over the warm-up and `requests` more (one profile run)."""
+    with tempfile.NamedTemporaryFile(suffix=".prof", delete=False) as f:
+        out = f.name
+    try:
+        with _gateway(sim_url, src, [sys.executable, "-m", "cProfile", "-o", out]) as gw:
+            await _load(gw, args.warmup + requests, args.concurrency)
+        calls: dict[str, int] = {}
+        for key, row in pstats.Stats(out).stats.items():  # type: ignore[attr-defined]
+            name = _name(key)
+            calls[name] = calls.get(name, 0) + row[1]
+        return calls
+    finally:
+        os.unlink(out)
+
+
+async def _syscalls(sim_url: str, src: str | None, args: Any) -> dict[str, float]:
+    """System calls per request by name, strace -c attached after the warm-up."""
+    with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as f:
+        out = f.name
+    try:
+        with _gateway(sim_url, src, [sys.executable]) as gw:
+            await _load(gw, args.warmup, args.concurrency)
+            argv = ["strace", "-c", "-f", "-p", str(gw.pid), "-o", out]
+            strace = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE)
+            assert strace.stderr is not None
+            # It says "Process N attached" once it counts (bounded: strace's own start).
+            await asyncio.wait_for(strace.stderr.readline(), 30)
+            await _load(gw, args.requests, args.concurrency)
+            strace.terminate()
+            await asyncio.wait_for(strace.communicate(), 30)
+        return _per_request(_strace_table(out), args.requests)
+    finally:
+        os.unlink(out)
+
+
+def _strace_table(path: str) -> dict[str, int]:
+    """strace -c's table: calls by system call name."""
+    counts: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
+            counts[parts[-1]] = int(parts[3])
+    return counts
+
+
+def _per_request(counts: dict[str, int], requests: int) -> dict[str, float]:
+    return {k: n / requests for k, n in counts.items()}
+
+
+async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    targets = [("this tree", None)] + ([("base", args.base)] if args.base else [])
+    result: dict[str, Any] = {"targets": {}}
+    per: dict[str, dict[str, float]] = {}
+    with procs.sim("--ttft-ms", "0", "--itl-ms", "0") as sim:
+        for name, src in targets:
+            print(f"  {name}: profiling", flush=True)
+            warm = await _profile(sim.url, src, 0, args)
+            full = await _profile(sim.url, src, args.requests, args)
+            per[name] = {
+                k: (n - warm.get(k, 0)) / args.requests
+                for k, n in full.items()
+                if n - warm.get(k, 0) > 0
+            }
+            entry: dict[str, Any] = {"calls_per_request": sum(per[name].values())}
+            if args.syscalls:
+                print(f"  {name}: counting system calls", flush=True)
+                entry["syscalls_per_request"] = await _syscalls(sim.url, src, args)
+            result["targets"][name] = entry
+    print(f"\nPython calls per 1-token request (cProfile, {args.requests} requests)")
+    for name, entry in result["targets"].items():
+        line = f"  {name:<10} {entry['calls_per_request']:7.1f}"
+        if "syscalls_per_request" in entry:
+            sc = entry["syscalls_per_request"]
+            most = sorted(sc.items(), key=lambda kv: -kv[1])[:4]
+            listed = ", ".join(f"{k} {v:.1f}" for k, v in most)
+            line += f"   syscalls {sum(sc.values()):5.1f} ({listed})"
+        print(line)
+    mine = per["this tree"]
+    other = per.get("base", {})
+    top = sorted(mine, key=lambda k: -mine[k])[: args.top]
+    print(f"\n{'function (most called)':<62} {'this':>7}" + (f" {'base':>7}" if other else ""))
+    for k in top:
+        print(f"{k[-62:]:<62} {mine[k]:7.1f}" + (f" {other.get(k, 0.0):7.1f}" if other else ""))
+    if other:
+        print(f"\n{'most changed':<62} {'this':>7} {'base':>7}")
+        names = sorted(set(mine) | set(other), key=lambda k: -abs(mine.get(k, 0) - other.get(k, 0)))
+        for k in names[: args.top // 2]:
+            print(f"{k[-62:]:<62} {mine.get(k, 0.0):7.1f} {other.get(k, 0.0):7.1f}")
+    result["top"] = [{"function": k, "this": mine[k], "base": other.get(k)} for k in top]
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, default=3000, help="measured 1-token requests")
+    p.add_argument("--warmup", type=int, default=200, help="requests before the measured ones")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--top", type=int, default=20, help="functions listed")
+    p.add_argument("--base", help="src/ directory of another checkout, counted beside this one")
+    p.add_argument("--syscalls", action="store_true", help="count system calls too (strace)")
+    p.add_argument("--json", default=str(ROOT / "results" / "calls_per_request.json"))
+    args = p.parse_args()
+    if args.base:
+        args.base = str(Path(args.base).resolve())
+    if args.syscalls and shutil.which("strace") is None:
+        p.error("--syscalls needs strace on PATH")
+    result = asyncio.run(_bench(args))
+    write_json(args.json, "calls_per_request", args, **result)
+
+
+if __name__ == "__main__":
+    main()
