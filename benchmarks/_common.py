@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from tokenpipe.bench import procs
+from tokenpipe.bench import procs, run_load
 from tokenpipe.bench.procs import Service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,6 +186,20 @@ def bare_relay(sim_url: str, cpu_us: float = 0.0) -> Service:
             str(cpu_us),
         ],
         name="bare-relay",
+    )
+
+
+async def one_token_requests(svc: Service, concurrency: int, requests: int) -> Any:
+    """`requests` streamed chat requests of 1 token each (32-token prompts) to the sim's
+    model through `svc`, `concurrency` at a time: the request path's load. Returns the
+    load's result (its `records`)."""
+    return await run_load(
+        svc.url + "/v1",
+        "sim-model",
+        concurrency=concurrency,
+        requests=requests,
+        max_tokens=1,
+        prompt_tokens=32,
     )
 
 

@@ -30,12 +30,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, write_json
+from _common import ROOT, one_token_requests, write_json
 
-from tokenpipe.bench import procs, run_load
+from tokenpipe.bench import procs
 from tokenpipe.bench.procs import Service
 
-MODEL = "sim-model"
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
@@ -48,14 +47,7 @@ def _gateway(sim_url: str, src: str | None, prefix: list[str]) -> Service:
 
 async def _load(svc: Service, requests: int, concurrency: int) -> None:
     if requests:
-        await run_load(
-            svc.url + "/v1",
-            MODEL,
-            concurrency=concurrency,
-            requests=requests,
-            max_tokens=1,
-            prompt_tokens=32,
-        )
+        await one_token_requests(svc, concurrency, requests)
 
 
 def _name(key: tuple[str, int, str]) -> str:

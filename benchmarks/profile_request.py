@@ -43,14 +43,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-from _common import ROOT, bare_relay, gateway
+from _common import ROOT, bare_relay, gateway, one_token_requests
 
-from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
 from tokenpipe.doctor.profile import py_spy_path
 from tokenpipe.serving import install_uvloop
-
-MODEL = "sim-model"
 
 #: Layers by file path (first match wins): (layer, pattern on "path/to/file.py").
 LAYERS: tuple[tuple[str, str], ...] = (
@@ -183,14 +180,7 @@ async def _load(svc: Service, concurrency: int, requests: int) -> tuple[float, f
     """(user, system) CPU seconds of the gateway per request for `requests` 1-token
     requests."""
     user, system = _cpu(svc.pid)
-    result = await run_load(
-        svc.url + "/v1",
-        MODEL,
-        concurrency=concurrency,
-        requests=requests,
-        max_tokens=1,
-        prompt_tokens=32,
-    )
+    result = await one_token_requests(svc, concurrency, requests)
     errors = sum(1 for r in result.records if not r.ok)
     if errors:
         print(f"  {errors} of {requests} requests failed", flush=True)

@@ -204,17 +204,20 @@ def test_the_deadline_gauge_shows_each_new_hedge_delay() -> None:
     from tokenpipe.router.policy import Policy
     from tokenpipe.settings import TailSettings
 
+    metrics.allow_model("gauged-model")  # (a model label of its own, whatever ran before)
+
     def shown() -> float | None:
-        labels = {"kind": "hedge_delay", "upstream": "gauged", "model": metrics.OTHER}
+        labels = {"kind": "hedge_delay", "upstream": "gauged", "model": "gauged-model"}
         return metrics.REGISTRY.get_sample_value("tokenpipe_deadline_seconds", labels)
 
     clock = ManualClock()
     tail = Policy(TailSettings(), Router([]), clock)
-    assert tail.hedge_delay("gauged", "m", 0) == shown() == 1.0  # the static delay
+    assert tail.hedge_delay("gauged", "gauged-model", 0) == shown() == 1.0  # the static delay
     for i in range(100):
-        tail.ttft_estimate("gauged", "m", 0).add(0.010 + i * 0.001)
+        tail.ttft_estimate("gauged", "gauged-model", 0).add(0.010 + i * 0.001)
     assert shown() == 1.0  # (set when asked for, not when observed)
     clock.advance(1)
-    learned = tail.hedge_delay("gauged", "m", 0)
+    learned = tail.hedge_delay("gauged", "gauged-model", 0)
     assert learned == pytest.approx(0.105, rel=0.02) and shown() == learned
-    assert tail.hedge_delay("gauged", "m", 0) == shown() == learned  # unchanged: not set again
+    # Unchanged: not set again, still shown.
+    assert tail.hedge_delay("gauged", "gauged-model", 0) == shown() == learned
