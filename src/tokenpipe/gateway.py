@@ -76,6 +76,7 @@ async def _run(settings: Settings, sock: socket.socket | None) -> None:
             grpc_server = await front_grpc.start_server(
                 gw, server_settings.host, server_settings.grpc_port
             )
+        serving.settle_heap()  # start-up is done: out of the collector's way
         print(f"tokenpipe gateway listening on http://{server_settings.host}:{port}", flush=True)
         await serving.until_signalled()
         drain = server_settings.drain_seconds
