@@ -1,13 +1,17 @@
 """The runtime gauges the soak reads: event-loop lag, collector pauses, tasks, RSS, fds
-(observe/runtime.py); the heap settled once the gateway listens (serving.settle_heap)."""
+(observe/runtime.py); the heap settled once the gateway listens (serving.settle_heap) and the
+listening line written whole (serving.announce)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import io
 import re
+import sys
 import time
 import urllib.request
+from typing import Any
 
 from tests import procs
 from tokenpipe import serving
@@ -87,3 +91,22 @@ def test_a_served_gateway_has_settled_its_heap(gateway: procs.Service) -> None:
     frozen = re.search(r"^tokenpipe_gc_frozen_objects (\S+)$", text, re.M)
     assert frozen is not None and float(frozen.group(1)) > 10_000
     assert "# TYPE tokenpipe_gc_pause_seconds histogram" in text
+
+
+def test_announce_is_one_write_so_workers_lines_never_interleave(monkeypatch: Any) -> None:
+    """`serve --workers N` processes share stdout, unbuffered in tests: a line must leave in
+    one write (print() writes the text and the newline apart)."""
+    writes: list[bytes] = []
+
+    class Raw(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: Any) -> int:
+            writes.append(bytes(b))
+            return len(b)
+
+    out = io.TextIOWrapper(Raw(), write_through=True)  # what PYTHONUNBUFFERED gives
+    monkeypatch.setattr(sys, "stdout", out)
+    serving.announce("tokenpipe gateway listening on http://127.0.0.1:8000")
+    assert writes == [b"tokenpipe gateway listening on http://127.0.0.1:8000\n"]

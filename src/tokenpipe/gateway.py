@@ -77,7 +77,7 @@ async def _run(settings: Settings, sock: socket.socket | None) -> None:
                 gw, server_settings.host, server_settings.grpc_port
             )
         serving.settle_heap()  # start-up is done: out of the collector's way
-        print(f"tokenpipe gateway listening on http://{server_settings.host}:{port}", flush=True)
+        serving.announce(f"tokenpipe gateway listening on http://{server_settings.host}:{port}")
         await serving.until_signalled()
         drain = server_settings.drain_seconds
         print(f"tokenpipe gateway draining (up to {drain:g} s)", file=sys.stderr, flush=True)

@@ -47,6 +47,16 @@ def settle_heap() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
+def announce(line: str) -> None:
+    """Prints `line` to stdout in one write. With `serve --workers N` the processes share
+    stdout, and unbuffered (PYTHONUNBUFFERED, as tests and benchmarks run it) print() writes
+    the text and its newline apart, so two workers' lines could interleave into one
+    ("...:8000tokenpipe gateway listening on ...:8000\n\n"). One write of fewer than
+    PIPE_BUF (4,096) bytes to a pipe is atomic."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def install_uvloop() -> None:
     try:
         import uvloop
@@ -97,7 +107,7 @@ async def serve(
     if extra_start is not None:
         await extra_start()
     bound = _bound_port(runner) or port
-    print(f"{name} listening on http://{host}:{bound}", flush=True)
+    announce(f"{name} listening on http://{host}:{bound}")
 
     try:
         await until_signalled()

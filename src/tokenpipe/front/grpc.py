@@ -21,7 +21,7 @@ import orjson
 from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
-from tokenpipe import request_ids
+from tokenpipe import request_ids, serving
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Piece
 from tokenpipe.dialects import openai_schema as schema
@@ -343,5 +343,5 @@ async def start_server(gateway: Gateway, host: str, port: int) -> grpc.aio.Serve
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    print(f"tokenpipe gRPC listening on {host}:{bound}", flush=True)
+    serving.announce(f"tokenpipe gRPC listening on {host}:{bound}")
     return server
