@@ -36,8 +36,9 @@ def settle_heap() -> None:
     every stream waiting for its next event waits that much longer. In a burst of 1,000
     streams (benchmarks/burst.py) the gateway spent 98-111 ms in the collector, 45-48 ms of
     it in two full collections of ~109,000 objects; frozen, with a threshold of 10,000, the
-    full collections took 14.5 ms, the collector 64-67 ms in all, and TTFT p50 fell from
-    513-536 to 483-493 ms (docs/performance.md, "The garbage collector in a burst").
+    full collections took 14.5 ms and the collector 64-67 ms in all. Landed, over 7 bursts
+    against the tree before: TTFT p50 +121 ms over direct against +161, CPU per stream 1.13
+    ms against 1.24 (docs/performance.md, "The garbage collector in a burst, landed").
     Freezing alone measured no better. The cost: cyclic garbage waits for up to 10,000 net
     allocations instead of 700 before a young collection frees it.
     """
