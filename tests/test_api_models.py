@@ -1,7 +1,8 @@
-"""`GET /v1/models` for both APIs' clients, on real loopback sockets with the official SDKs:
-an Anthropic client (it sends `anthropic-version`) gets Anthropic's paged list, every item
-valid as the SDK's ModelInfo, with its key as `x-api-key` and its errors in Anthropic's shape;
-an OpenAI client gets OpenAI's list as before."""
+"""`GET /v1/models` and `GET /v1/models/{model}` for both APIs' clients, on real loopback
+sockets with the official SDKs: an Anthropic client (it sends `anthropic-version`) gets
+Anthropic's paged list, every item valid as the SDK's ModelInfo, with its key as `x-api-key`
+and its errors in Anthropic's shape; an OpenAI client gets OpenAI's list as before. Both
+SDKs' `models.retrieve` get one listed model, or their own not-found error."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from tokenpipe.errors import GatewayError
 from tokenpipe.front.models import anthropic_page
 
 KEY = "sk-test-models"
-#: More than one of Anthropic's default pages (20).
-MODELS = [f"model-{i:02d}" for i in range(25)]
+#: More than one of Anthropic's default pages (20); the last has a slash, as fine-tunes and
+#: hub models do (sorted last).
+MODELS = [*(f"model-{i:02d}" for i in range(25)), "org/tuned-1"]
 MODEL_INFO = TypeAdapter(anthropic.types.ModelInfo)
 ANTHROPIC = {"anthropic-version": "2023-06-01"}
 
@@ -132,3 +134,36 @@ def test_pages_follow_the_cursors_in_either_direction() -> None:
         assert e.value.status == 400 and e.value.param == "limit"
     with pytest.raises(GatewayError):
         anthropic_page(names, {"after_id": "a", "before_id": "c"})
+
+
+def test_both_sdks_retrieve_a_listed_model_slashes_included(gateway: procs.Service) -> None:
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0) as client:
+        for name in (MODELS[3], MODELS[-1]):
+            model = client.models.retrieve(name)
+            assert (model.id, model.object, model.owned_by) == (name, "model", "tokenpipe")
+    with anthropic.Anthropic(base_url=gateway.url, api_key=KEY, max_retries=0) as claude:
+        for name in (MODELS[21], MODELS[-1]):
+            info = claude.models.retrieve(name)
+            assert (info.id, info.type, info.display_name) == (name, "model", name)
+    r = httpx.get(
+        gateway.url + "/v1/models/org%2Ftuned-1", headers={"Authorization": "Bearer " + KEY}
+    )
+    assert r.status_code == 200 and r.json()["id"] == "org/tuned-1"  # an encoded slash alike
+
+
+def test_a_model_not_listed_is_each_sdks_not_found_error(gateway: procs.Service) -> None:
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve("model-99")
+        assert e.value.code == "model_not_found" and e.value.param == "model"
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="wrong").models.retrieve(MODELS[0])
+    with anthropic.Anthropic(base_url=gateway.url, api_key=KEY, max_retries=0) as claude:
+        with pytest.raises(anthropic.NotFoundError) as a:
+            claude.models.retrieve("model-99")
+        assert isinstance(a.value.body, dict) and a.value.body["type"] == "error"
+        assert a.value.body["error"]["type"] == "not_found_error"
+    r = httpx.get(gateway.url + "/v1/models/", headers={"Authorization": "Bearer " + KEY})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_route"  # no id
+    r = httpx.delete(gateway.url + "/v1/models/" + MODELS[0], headers=ANTHROPIC)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"

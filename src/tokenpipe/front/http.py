@@ -50,9 +50,10 @@ async def dispatch(request: Request) -> Response | StreamResponse:
             if front.cors is not None and cors.is_preflight(request):
                 response = cors.preflight(front, request)
                 return response
-            methods = front.routes.get(request.path)
-            if methods is None:
+            found = front.route(request.path)
+            if found is None:
                 raise _not_found(front, request)
+            methods = found[1]
             handler = methods.get(request.method)
             if handler is None and request.method == "HEAD":
                 handler = methods.get("GET")
@@ -94,9 +95,10 @@ def _server_span(front: Front, request: Request, rid: str) -> tracing.RequestTra
         "tokenpipe.request_id": rid,
     }
     name = request.method
-    if request.path in front.routes:  # every route's template is its path
-        attributes["http.route"] = request.path
-        name = f"{request.method} {request.path}"
+    found = front.route(request.path)
+    if found is not None:
+        attributes["http.route"] = found[0]
+        name = f"{request.method} {found[0]}"
     return tracing.serve(name, request.headers, attributes)
 
 

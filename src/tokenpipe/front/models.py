@@ -1,4 +1,6 @@
-"""`GET /v1/models`: the models the upstreams serve, in the shape of the client's API.
+"""`GET /v1/models`: the models the upstreams serve, in the shape of the client's API;
+`GET /v1/models/{model}`: one of them (the SDKs' `models.retrieve`), or a 404 when the list
+does not have it.
 
 OpenAI's clients get `{"object": "list", "data": [{"id", "object": "model", ...}]}`. A request
 that carries `anthropic-version` (Anthropic's SDKs always send it) is an Anthropic client's:
@@ -22,6 +24,8 @@ from tokenpipe.front.edge import request_id
 from tokenpipe.front.wire import Request, Response, json_response
 
 MODELS_PATH = "/v1/models"
+MODEL_PATH = "/v1/models/{model}"
+_MODEL_PREFIX = MODELS_PATH + "/"
 #: The header by which a request says it is an Anthropic client's.
 ANTHROPIC_VERSION = "anthropic-version"
 #: Anthropic's page size: the default and the bounds of `limit`.
@@ -41,8 +45,44 @@ async def list_models(request: Request) -> Response:
         return json_response(200, orjson.dumps(anthropic_page(names, request.query)))
     gw.auth.check(headers.get("Authorization"))
     names = await gw.router.models()
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": "tokenpipe"} for n in names]
+    data = [_openai_model(n) for n in names]
     return json_response(200, orjson.dumps({"object": "list", "data": data}))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """One model, in the client's API's shape; a model is there when the list has it."""
+    request_id(request)
+    gw = request.app.gateway
+    headers = request.headers
+    anthropic = ANTHROPIC_VERSION in headers
+    if anthropic:
+        gw.auth.check_any(headers.get("Authorization"), headers.get("x-api-key"))
+    else:
+        gw.auth.check(headers.get("Authorization"))
+    model = request.path[len(_MODEL_PREFIX) :]
+    if model not in await gw.router.models():
+        raise GatewayError(
+            404,
+            f"The model `{model[:200]}` does not exist or you do not have access to it.",
+            code="model_not_found",
+            param="model",
+        )
+    body = _anthropic_model(model) if anthropic else _openai_model(model)
+    return json_response(200, orjson.dumps(body))
+
+
+def _openai_model(name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tokenpipe"}
+
+
+def _anthropic_model(name: str) -> dict[str, object]:
+    return {
+        "type": "model",
+        "id": name,
+        "display_name": name,
+        "created_at": _EPOCH,
+        "lifecycle": "active",
+    }
 
 
 def anthropic_page(names: list[str], query: Mapping[str, str]) -> dict[str, object]:
@@ -62,16 +102,7 @@ def anthropic_page(names: list[str], query: Mapping[str, str]) -> dict[str, obje
         page = later[:limit]
         has_more = len(later) > limit
     return {
-        "data": [
-            {
-                "type": "model",
-                "id": n,
-                "display_name": n,
-                "created_at": _EPOCH,
-                "lifecycle": "active",
-            }
-            for n in page
-        ],
+        "data": [_anthropic_model(n) for n in page],
         "has_more": has_more,
         "first_id": page[0] if page else None,
         "last_id": page[-1] if page else None,
@@ -91,6 +122,8 @@ def _limit(value: str | None) -> int:
 
 
 def install(front: Front) -> None:
-    """Adds the route; its errors take Anthropic's shape for an Anthropic client's request."""
+    """Adds the routes; their errors take Anthropic's shape for an Anthropic client's request."""
     front.add("GET", MODELS_PATH, list_models)
-    front.header_error_bodies[MODELS_PATH] = (ANTHROPIC_VERSION, error_json)
+    front.add("GET", MODEL_PATH, retrieve_model)
+    for path in (MODELS_PATH, MODEL_PATH):
+        front.header_error_bodies[path] = (ANTHROPIC_VERSION, error_json)
