@@ -5,6 +5,7 @@ limit starts at `limits.initial_concurrency`, 32).
     python benchmarks/burst.py                       # 1,000 streams, 10 tokens/s, 30 tokens
     python benchmarks/burst.py --base ../base/src    # + a gateway of another checkout
     python benchmarks/burst.py --workers 2           # serve --workers 2 (both gateways)
+    python benchmarks/burst.py --upstream-host localhost   # the sim by name: DNS per connect
 
 Each gateway is started fresh for its burst (a cold limit, as after a deploy), one target
 after the other against the same sim; `--rounds` bursts per target, medians of the rounds.
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from _common import ROOT, RssPeak, cpu_seconds, fmt, gateway, src_dir, write_json
+from yarl import URL
 
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
@@ -80,12 +82,15 @@ def _limiter_wait(url: str) -> tuple[float, float, float]:
 
 @contextlib.contextmanager
 def _target(
-    name: str, sim: Service, src: str | None, workers: int
+    name: str, sim: Service, src: str | None, args: argparse.Namespace
 ) -> Iterator[tuple[str, Service | None]]:
     if name == "direct":
         yield sim.url, None
         return
-    with gateway(sim.url, src=src, workers=workers) as gw:
+    # --upstream-host: the gateway reaches the sim by that name (a lookup per connection
+    # unless cached), not by its IP literal.
+    upstream = str(URL(sim.url).with_host(args.upstream_host)) if args.upstream_host else sim.url
+    with gateway(upstream, src=src, workers=args.workers) as gw:
         yield gw.url, gw
 
 
@@ -207,7 +212,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     with Service("sim", "--port", "0", *sim_args, name="sim") as sim:
         for r in range(args.rounds):
             for name, src in targets.items():
-                with _target(name, sim, src, args.workers) as (url, gw):
+                with _target(name, sim, src, args) as (url, gw):
                     x = await _round(url, gw, args)
                 rounds.setdefault(name, []).append(x)
                 kib = x.rss_kib_per_stream
@@ -232,6 +237,10 @@ def main() -> None:
     p.add_argument("--base", type=src_dir, help="src directory of a checkout to compare against")
     p.add_argument(
         "--workers", type=int, default=1, help="gateway processes (tokenpipe serve --workers N)"
+    )
+    p.add_argument(
+        "--upstream-host",
+        help="the name the gateways reach the sim by (e.g. localhost), instead of 127.0.0.1",
     )
     p.add_argument("--json", default=str(ROOT / "results" / "burst.json"))
     args = p.parse_args()

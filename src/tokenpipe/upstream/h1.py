@@ -39,6 +39,7 @@ from tokenpipe.upstream.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from tokenpipe.upstream.resolve import Resolver
 from tokenpipe.upstream.response import READ_MAX, UpstreamResponse
 from tokenpipe.upstream.reuse import resendable, reusable
 
@@ -84,6 +85,8 @@ class Pool:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._members: set[Connection] = set()
         self.resent = 0  # requests sent again after a reused connection closed under them
+        # The host's addresses, looked up once for every connection (upstream/resolve.py).
+        self.resolver = Resolver(self.host, self.port)
 
     async def request(self, head: bytes, body: bytes, timeout: float | None) -> UpstreamResponse:
         """Sends `head` (the request line and headers, ending in a blank line) and `body` in
@@ -156,9 +159,7 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                infos = await loop.getaddrinfo(
-                    self.host, self.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-                )
+                infos = await self.resolver.addresses()
                 error: OSError | None = None
                 for family, type_, proto, _, addr in infos:
                     sock = socket.socket(family, type_, proto)
@@ -188,6 +189,7 @@ class Pool:
                         raise UpstreamDisconnected("the upstream closed the connection at once")
                     self._members.add(conn)
                     return conn
+                self.resolver.forget()  # none of them took it: look again next time
                 raise error or OSError(f"no address for {self.host}")
         except TimeoutError:  # (an OSError too: before the clause below)
             raise UpstreamTimeout(f"connecting to {self.host_header} timed out") from None
