@@ -17,7 +17,8 @@ The pieces: `Pool` (here) hands out `Connection`s (upstream/connection.py), whos
 Bounds: at most `limit` connections per upstream (a request beyond waits for one to be
 released); idle connections are closed after `keepalive_s`; a response buffers at most
 `HIGH_WATER` bytes (upstream/response.py) before the socket stops being read (TCP
-backpressure on the upstream).
+backpressure on the upstream); the host's addresses are looked up once per 10 s for all
+its connections (upstream/resolve.py).
 """
 
 from __future__ import annotations
