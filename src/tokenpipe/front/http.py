@@ -40,9 +40,10 @@ async def dispatch(request: Request) -> Response | StreamResponse:
     rid = request_id(request)
     token = logs.REQUEST_ID.set(rid)
     api = request.path.startswith("/v1/")
+    found = front.route(request.path)
     trace = None
     if tracing.TRACER is not None and api:
-        trace = _server_span(front, request, rid)
+        trace = _server_span(request, rid, found[0] if found is not None else None)
         trace_token = tracing.CURRENT.set(trace)
     response: Response | StreamResponse | None = None
     try:
@@ -50,7 +51,6 @@ async def dispatch(request: Request) -> Response | StreamResponse:
             if front.cors is not None and cors.is_preflight(request):
                 response = cors.preflight(front, request)
                 return response
-            found = front.route(request.path)
             if found is None:
                 raise _not_found(front, request)
             methods = found[1]
@@ -85,7 +85,7 @@ async def dispatch(request: Request) -> Response | StreamResponse:
         logs.REQUEST_ID.reset(token)
 
 
-def _server_span(front: Front, request: Request, rid: str) -> tracing.RequestTrace:
+def _server_span(request: Request, rid: str, template: str | None) -> tracing.RequestTrace:
     """The request's SERVER span, continuing the client's traceparent, named as the HTTP
     conventions say (the route's template; the method alone for an unknown route)."""
     attributes = {
@@ -95,10 +95,9 @@ def _server_span(front: Front, request: Request, rid: str) -> tracing.RequestTra
         "tokenpipe.request_id": rid,
     }
     name = request.method
-    found = front.route(request.path)
-    if found is not None:
-        attributes["http.route"] = found[0]
-        name = f"{request.method} {found[0]}"
+    if template is not None:
+        attributes["http.route"] = template
+        name = f"{request.method} {template}"
     return tracing.serve(name, request.headers, attributes)
 
 

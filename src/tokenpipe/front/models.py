@@ -35,32 +35,33 @@ MAX_LIMIT = 1000
 _EPOCH = "1970-01-01T00:00:00Z"
 
 
-async def list_models(request: Request) -> Response:
+def _anthropic_client(request: Request) -> bool:
+    """Checks the key (an Anthropic client's may come as `x-api-key`); whether the request
+    is an Anthropic client's."""
     request_id(request)
-    gw = request.app.gateway
     headers = request.headers
+    auth = request.app.gateway.auth
     if ANTHROPIC_VERSION in headers:
-        gw.auth.check_any(headers.get("Authorization"), headers.get("x-api-key"))
-        names = await gw.router.models()
+        auth.check_any(headers.get("Authorization"), headers.get("x-api-key"))
+        return True
+    auth.check(headers.get("Authorization"))
+    return False
+
+
+async def list_models(request: Request) -> Response:
+    anthropic = _anthropic_client(request)
+    names = await request.app.gateway.router.models()
+    if anthropic:
         return json_response(200, orjson.dumps(anthropic_page(names, request.query)))
-    gw.auth.check(headers.get("Authorization"))
-    names = await gw.router.models()
     data = [_openai_model(n) for n in names]
     return json_response(200, orjson.dumps({"object": "list", "data": data}))
 
 
 async def retrieve_model(request: Request) -> Response:
     """One model, in the client's API's shape; a model is there when the list has it."""
-    request_id(request)
-    gw = request.app.gateway
-    headers = request.headers
-    anthropic = ANTHROPIC_VERSION in headers
-    if anthropic:
-        gw.auth.check_any(headers.get("Authorization"), headers.get("x-api-key"))
-    else:
-        gw.auth.check(headers.get("Authorization"))
+    anthropic = _anthropic_client(request)
     model = request.path[len(_MODEL_PREFIX) :]
-    if model not in await gw.router.models():
+    if model not in await request.app.gateway.router.models():
         raise GatewayError(
             404,
             f"The model `{model[:200]}` does not exist or you do not have access to it.",
