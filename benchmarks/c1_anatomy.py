@@ -1,0 +1,189 @@
+"""Where the added first-token time goes at concurrency 1: one request at a time on one
+keep-alive connection per target (direct to the sim, through tokenpipe, through the bare
+aiohttp relay), rounds interleaved, each request timed by a blocking socket client (no event
+loop of its own in the way) to its response head and to its first content token; beside it,
+the gateway's own phases (its Server-Timing header), each server's CPU per request in this
+paced load, and a loopback TCP round trip between two processes (the wake-ups a hop adds).
+
+    python benchmarks/c1_anatomy.py                      # ~1 min; JSON in results/
+    python benchmarks/c1_anatomy.py --rounds 5 --requests 200 --gap-ms 10
+
+The sim sends its head and role chunk at once and the first content token `--ttft-ms`
+later; tokenpipe holds its head until the role chunk is there, so its "head" is the role
+chunk's arrival. CPU per request here is that of a request arriving at an idle process (a
+gap of `--gap-ms` between requests, then `--ttft-ms` and 3 more tokens 20 ms apart): set
+beside relay_cost.py's figure for back-to-back requests, it shows what a cold cache costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import time
+from typing import Any
+
+from _common import ROOT, bare_relay, cpu_seconds, gateway, write_json
+
+from tokenpipe.bench.procs import Service, sim
+
+PHASES = ("edge", "admission", "context", "queue", "upstream_headers")
+
+
+def _body(tokens: int) -> bytes:
+    msg = {"role": "user", "content": "hello there " * 8}
+    obj = {"model": "sim-model", "stream": True, "max_tokens": tokens, "messages": [msg]}
+    return json.dumps(obj).encode()
+
+
+class Client:
+    """One keep-alive connection, one streamed chat request at a time."""
+
+    def __init__(self, url: str, body: bytes) -> None:
+        host, port = url.split("//", 1)[1].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self.request = head.encode() + body
+
+    def one(self) -> tuple[float, float, dict[str, float]]:
+        """Seconds to the response head and to the first content token; the gateway's
+        Server-Timing phases (ms), when it sent them."""
+        t0 = time.perf_counter()
+        self.sock.sendall(self.request)
+        buf = b""
+        head_at = first_at = None
+        while not buf.endswith(b"0\r\n\r\n"):  # the chunked body's end
+            data = self.sock.recv(65536)
+            now = time.perf_counter()
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            buf += data
+            if head_at is None and b"\r\n\r\n" in buf:
+                head_at = now
+            if first_at is None and re.search(rb'"content":"[^"]', buf):
+                first_at = now
+        assert head_at is not None and first_at is not None, buf[:400]
+        timing = re.search(rb"(?im)^server-timing: (.*)$", buf)
+        phases = {}
+        if timing:
+            for k, v in re.findall(rb"(\w+);dur=([\d.]+)", timing.group(1)):
+                phases[k.decode()] = float(v)
+        return head_at - t0, first_at - t0, phases
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def round_trip_us(n: int = 2000) -> float:
+    """Median loopback TCP round trip (1 byte each way) to a forked echo process, 2 ms apart
+    (idle between, as paced requests are): the floor of what a hop's two wake-ups cost."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    pid = os.fork()
+    if pid == 0:  # the echo
+        conn, _ = srv.accept()
+        while data := conn.recv(64):
+            conn.sendall(data)
+        os._exit(0)
+    s = socket.create_connection(srv.getsockname())
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        s.sendall(b"x")
+        s.recv(64)
+        times.append(time.perf_counter() - t)
+        time.sleep(0.002)  # paced: the echo goes idle
+    s.close()
+    os.waitpid(pid, 0)
+    srv.close()
+    return statistics.median(times) * 1e6
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    upstream = sim("--ttft-ms", str(args.ttft_ms), "--itl-ms", "20")
+    servers: dict[str, Service | None] = {"direct": None}
+    try:
+        servers["tokenpipe"] = gateway(upstream.url)
+        servers["bare relay"] = bare_relay(upstream.url)
+        body = _body(args.tokens)
+        urls = {name: (svc or upstream).url for name, svc in servers.items()}
+        clients = {name: Client(url, body) for name, url in urls.items()}
+        for c in clients.values():  # warm-up: connections, caches, the gateway's estimates
+            for _ in range(30):
+                c.one()
+        rows: dict[str, dict[str, list[float]]] = {
+            n: {"head": [], "first": [], "cpu_us": []} for n in servers
+        }
+        phases: dict[str, list[float]] = {p: [] for p in PHASES}
+        for r in range(args.rounds):
+            for name, client in clients.items():
+                svc = servers[name] or upstream
+                heads, firsts = [], []
+                before = cpu_seconds(svc.pid)
+                for _ in range(args.requests):
+                    h, f, ph = client.one()
+                    heads.append(h)
+                    firsts.append(f)
+                    for p in PHASES:
+                        if p in ph:
+                            phases[p].append(ph[p])
+                    time.sleep(args.gap_ms / 1000)  # paced by design, not a wait for state
+                cpu = (cpu_seconds(svc.pid) - before) / args.requests * 1e6
+                rows[name]["head"].append(statistics.median(heads) * 1e3)
+                rows[name]["first"].append(statistics.median(firsts) * 1e3)
+                rows[name]["cpu_us"].append(cpu)
+            print(f"  round {r + 1}/{args.rounds} done", flush=True)
+        for c in clients.values():
+            c.close()
+    finally:
+        for server in servers.values():
+            if server is not None:
+                server.stop()
+        upstream.stop()
+    med = {n: {k: statistics.median(v) for k, v in cols.items()} for n, cols in rows.items()}
+    return {
+        "rounds": rows,
+        "medians": med,
+        "phases_ms": {p: statistics.median(v) for p, v in phases.items() if v},
+        "round_trip_us": round_trip_us(),
+    }
+
+
+def _print(result: dict[str, Any]) -> None:
+    med = result["medians"]
+    d = med["direct"]
+    print("\nconcurrency 1, medians of per-round medians")
+    print(f"{'target':<11} {'head ms':>8} {'first ms':>9} {'added':>7} {'CPU us/req':>11}")
+    for name, m in med.items():
+        added = "-" if name == "direct" else f"{m['first'] - d['first']:+.2f}"
+        print(f"{name:<11} {m['head']:8.2f} {m['first']:9.2f} {added:>7} {m['cpu_us']:11.0f}")
+    print("\ntokenpipe's phases (Server-Timing, ms):")
+    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in result["phases_ms"].items()))
+    print(f"loopback TCP round trip, two processes: {result['round_trip_us']:.0f} us")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=150, help="per target and round")
+    p.add_argument("--gap-ms", type=float, default=10.0, help="idle between two requests")
+    p.add_argument("--ttft-ms", type=float, default=20.0, help="the sim's first token")
+    p.add_argument("--tokens", type=int, default=4, help="max_tokens of each request")
+    p.add_argument("--json", default=str(ROOT / "results" / "c1_anatomy.json"))
+    args = p.parse_args()
+    result = _measure(args)
+    _print(result)
+    write_json(args.json, "c1_anatomy", args, **result)
+
+
+if __name__ == "__main__":
+    main()
