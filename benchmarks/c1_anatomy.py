@@ -29,8 +29,10 @@ from typing import Any
 from _common import ROOT, bare_relay, cpu_seconds, gateway, write_json
 
 from tokenpipe.bench.procs import Service, sim
+from tokenpipe.bench.stream import server_timing
 
-PHASES = ("edge", "admission", "context", "queue", "upstream_headers")
+#: The gateway's phases shown, by the bench's names (Server-Timing's `queue` is limiter_wait).
+PHASES = ("edge", "admission", "context", "limiter_wait", "upstream_headers")
 
 
 def _body(tokens: int) -> bytes:
@@ -71,10 +73,9 @@ class Client:
                 first_at = now
         assert head_at is not None and first_at is not None, buf[:400]
         timing = re.search(rb"(?im)^server-timing: (.*)$", buf)
-        phases = {}
+        phases: dict[str, float] = {}
         if timing:
-            for k, v in re.findall(rb"(\w+);dur=([\d.]+)", timing.group(1)):
-                phases[k.decode()] = float(v)
+            server_timing(timing.group(1).decode(), phases)
         return head_at - t0, first_at - t0, phases
 
     def close(self) -> None:
