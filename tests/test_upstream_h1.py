@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 import pytest
+import uvloop
 from aiohttp import web
 from yarl import URL
 
@@ -417,3 +419,39 @@ async def test_a_nudge_before_the_read_returns_it_at_once_and_is_spent() -> None
         second.set()
         assert await resp.readany() == b"b"  # waited for the bytes: the nudge was spent
         assert await resp.readany() == b"" and resp.at_eof()
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_new_connection_has_no_delay_and_the_bounded_receive_buffer(loop_kind: str) -> None:
+    """The loop connects (not a socket of our own): Nagle off and `receive_buffer_bytes` set
+    on the connected socket, on either event loop."""
+    BUF = 16384
+
+    async def check() -> tuple[int, int]:
+        async def hello(_: web.Request) -> web.Response:
+            return web.Response(text="hello")
+
+        app = web.Application()
+        app.router.add_get("/", hello)
+        async with serving(app) as base:
+            pool = h1.Pool(URL(base), limit=1, connect_timeout=5.0, receive_buffer_bytes=BUF)
+            try:
+                resp = await pool.request(_get_head(), b"", 5.0)
+                assert await resp.read() == b"hello"
+                (conn,) = pool._members
+                assert conn.transport is not None
+                sock = conn.transport.get_extra_info("socket")
+                return (
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
+                )
+            finally:
+                pool.close()
+
+    runner = asyncio.Runner(loop_factory=uvloop.new_event_loop if loop_kind == "uvloop" else None)
+    with runner:
+        nodelay, rcvbuf = runner.run(check())
+    assert nodelay == 1
+    # Linux doubles what is set, for its bookkeeping; unset, it starts at tcp_rmem's default
+    # (128 KiB and more) and grows.
+    assert BUF <= rcvbuf <= 2 * BUF

@@ -162,30 +162,35 @@ class Pool:
             async with asyncio.timeout(self.connect_timeout):
                 infos = await self.resolver.addresses()
                 error: OSError | None = None
-                for family, type_, proto, _, addr in infos:
-                    sock = socket.socket(family, type_, proto)
+                for family, _, proto, _, addr in infos:
+                    # The event loop connects the address itself (uvloop: in C, one await).
+                    # A socket of our own through `sock_connect`, then `create_connection
+                    # (sock=)`, cost 4-5x the CPU per connection (benchmarks/connect.py), which
+                    # a cold burst pays once per stream. The address is the resolver's IP
+                    # literal: the loop does not look it up again.
                     try:
-                        if self.receive_buffer_bytes:
-                            # Before connect: the TCP window scale is fixed by the handshake.
+                        transport, conn = await loop.create_connection(
+                            functools.partial(Connection, self),
+                            addr[0],
+                            addr[1],
+                            family=family,
+                            proto=proto,
+                            ssl=self.ssl,
+                            server_hostname=self.host if self.ssl else None,
+                        )
+                    except ssl.SSLError:
+                        raise  # the upstream's TLS: another address would not change it
+                    except OSError as e:
+                        error = e
+                        continue
+                    if self.receive_buffer_bytes:
+                        # After the handshake: this only lowers the buffer (and ends its
+                        # autotuning), which needs no window scale of its own.
+                        sock = transport.get_extra_info("socket")
+                        if sock is not None:
                             sock.setsockopt(
                                 socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer_bytes
                             )
-                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        sock.setblocking(False)
-                        await loop.sock_connect(sock, addr)
-                    except OSError as e:
-                        sock.close()
-                        error = e
-                        continue
-                    except BaseException:
-                        sock.close()
-                        raise
-                    _, conn = await loop.create_connection(
-                        functools.partial(Connection, self),
-                        sock=sock,
-                        ssl=self.ssl,
-                        server_hostname=self.host if self.ssl else None,
-                    )
                     if conn.lost:  # closed by the upstream as soon as accepted
                         raise UpstreamDisconnected("the upstream closed the connection at once")
                     self._members.add(conn)
