@@ -4,14 +4,18 @@ compared, JSON)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +255,35 @@ def litellm(
     proc.kill()
     print(f"LiteLLM did not start; see .cache/litellm-{name}.log", flush=True)
     return None
+
+
+@contextlib.asynccontextmanager
+async def strace_counts(pid: int, follow: bool = True) -> AsyncIterator[dict[str, int]]:
+    """System calls of process `pid` by name while the block runs (`strace -c` attached;
+    `follow`: its threads and children too). The dict is filled when the block ends. strace
+    slows what it traces; its counts are what to read, not times."""
+    with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as f:
+        out = f.name
+    counts: dict[str, int] = {}
+    try:
+        argv = ["strace", "-c", *(["-f"] if follow else []), "-p", str(pid), "-o", out]
+        strace = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE)
+        assert strace.stderr is not None
+        # It says "Process N attached" once it counts (bounded: strace's own start).
+        await asyncio.wait_for(strace.stderr.readline(), 30)
+        yield counts
+        strace.terminate()
+        await asyncio.wait_for(strace.communicate(), 30)
+        counts.update(_strace_table(out))
+    finally:
+        os.unlink(out)
+
+
+def _strace_table(path: str) -> dict[str, int]:
+    """strace -c's table: calls by system call name."""
+    counts: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
+            counts[parts[-1]] = int(parts[3])
+    return counts

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, one_token_requests, write_json
+from _common import ROOT, one_token_requests, strace_counts, write_json
 
 from tokenpipe.bench import procs
 from tokenpipe.bench.procs import Service
@@ -77,32 +77,11 @@ async def _profile(sim_url: str, src: str | None, requests: int, args: Any) -> d
 
 async def _syscalls(sim_url: str, src: str | None, args: Any) -> dict[str, float]:
     """System calls per request by name, strace -c attached after the warm-up."""
-    with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as f:
-        out = f.name
-    try:
-        with _gateway(sim_url, src, [sys.executable]) as gw:
-            await _load(gw, args.warmup, args.concurrency)
-            argv = ["strace", "-c", "-f", "-p", str(gw.pid), "-o", out]
-            strace = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE)
-            assert strace.stderr is not None
-            # It says "Process N attached" once it counts (bounded: strace's own start).
-            await asyncio.wait_for(strace.stderr.readline(), 30)
+    with _gateway(sim_url, src, [sys.executable]) as gw:
+        await _load(gw, args.warmup, args.concurrency)
+        async with strace_counts(gw.pid) as counts:
             await _load(gw, args.requests, args.concurrency)
-            strace.terminate()
-            await asyncio.wait_for(strace.communicate(), 30)
-        return _per_request(_strace_table(out), args.requests)
-    finally:
-        os.unlink(out)
-
-
-def _strace_table(path: str) -> dict[str, int]:
-    """strace -c's table: calls by system call name."""
-    counts: dict[str, int] = {}
-    for line in Path(path).read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
-            counts[parts[-1]] = int(parts[3])
-    return counts
+    return _per_request(counts, args.requests)
 
 
 def _per_request(counts: dict[str, int], requests: int) -> dict[str, float]:

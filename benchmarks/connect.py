@@ -5,9 +5,12 @@ connects the address itself) against the way it used to (a socket of our own, op
 
     python benchmarks/connect.py                       # 1,000 at once, 7 rounds (~10 s)
     python benchmarks/connect.py --connections 200 --rounds 15
+    python benchmarks/connect.py --syscalls         # + system calls per connection (strace)
 
 The listener runs in a child process, so the CPU counted (user + system of this process over
-the opening, per connection) is the connecting side's alone, as in the gateway. JSON in
+the opening, per connection) is the connecting side's alone, as in the gateway. `--syscalls`
+adds one more round per target under `strace -c` (this process, not its threads): system
+calls per connection by name, counts only (strace slows what it traces). JSON in
 results/connect.json.
 """
 
@@ -17,13 +20,15 @@ import argparse
 import asyncio
 import functools
 import multiprocessing
+import os
 import resource
 import socket
 import statistics
+import textwrap
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from _common import ROOT, write_json
+from _common import ROOT, strace_counts, write_json
 from yarl import URL
 
 from tokenpipe.serving import install_uvloop
@@ -93,7 +98,6 @@ async def _bench(args: argparse.Namespace, port: int) -> dict[str, Any]:
         for name, connect in targets.items():
             us[name].append(await _round(args.connections, connect))
         print(f"  round {r + 1}: " + ", ".join(f"{n} {v[-1]:.0f} us" for n, v in us.items()))
-    pool.close()
     before = statistics.median(us["own socket (before)"])
     print(f"\n{args.connections} connections at once, CPU of the connecting side")
     print(f"{'target':<28} {'us/connection':>13} {'rounds':>13} {'x before':>8}")
@@ -109,13 +113,39 @@ async def _bench(args: argparse.Namespace, port: int) -> dict[str, Any]:
         f"saved per connection, median of per-round differences: {saved:.1f} us "
         f"(rounds {diffs[0]:.0f} to {diffs[-1]:.0f})"
     )
-    return {"rows": rows, "saved_us_per_connection": saved, "paired_differences": diffs}
+    result: dict[str, Any] = {
+        "rows": rows,
+        "saved_us_per_connection": saved,
+        "paired_differences": diffs,
+    }
+    if args.syscalls:
+        result["syscalls_per_connection"] = await _syscalls(args.connections, targets)
+    pool.close()
+    return result
+
+
+async def _syscalls(
+    n: int, targets: dict[str, Callable[[], Awaitable[Connection]]]
+) -> dict[str, dict[str, float]]:
+    """System calls per connection by name, for each target, under strace -c."""
+    per: dict[str, dict[str, float]] = {}
+    for name, connect in targets.items():
+        async with strace_counts(os.getpid(), follow=False) as counts:
+            await _round(n, connect)
+        per[name] = {k: v / n for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+    print(f"\nsystem calls per connection ({n} at once, strace -c)")
+    for name, calls in per.items():
+        top = ", ".join(f"{k} {v:.1f}" for k, v in calls.items() if v >= 0.5)
+        print(f"{name}: {sum(calls.values()):.1f}")
+        print(textwrap.fill(top, 78, initial_indent="  ", subsequent_indent="  "))
+    return per
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--connections", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--syscalls", action="store_true", help="+ system calls per connection")
     p.add_argument("--json", default=str(ROOT / "results" / "connect.json"))
     args = p.parse_args()
     q: multiprocessing.SimpleQueue[int] = multiprocessing.SimpleQueue()
