@@ -6,12 +6,15 @@ limit starts at `limits.initial_concurrency`, 32).
     python benchmarks/burst.py --base ../base/src    # + a gateway of another checkout
     python benchmarks/burst.py --workers 2           # serve --workers 2 (both gateways)
     python benchmarks/burst.py --upstream-host localhost   # the sim by name: DNS per connect
+    python benchmarks/burst.py --rounds 1 --profile results/burst_profile.txt
 
 Each gateway is started fresh for its burst (a cold limit, as after a deploy), one target
 after the other against the same sim; `--rounds` bursts per target, medians of the rounds.
 `limiter wait` is the gateway's own `tokenpipe_limiter_wait_seconds`: its sum over the
 burst's requests and the share of them that waited at all (not shown with `--workers` N > 1:
-each worker keeps its own, and /metrics is answered by one of them).
+each worker keeps its own, and /metrics is answered by one of them). Below the table: the
+garbage collector's pauses over the burst (`tokenpipe_gc_pause_seconds`, not shown with
+`--workers` N > 1 either).
 
 The gateway's memory per open stream: the summed RSS of its processes (with `--workers N`, the
 parent holding the port, multiprocessing's resource tracker and the N workers: psutil's
@@ -19,6 +22,11 @@ children) sampled every 50 ms during the burst, (peak - RSS just before it) / st
 its CPU per stream is the same processes' user + system time over the burst. The gateway is
 cold when the burst starts, so what its first requests load (lazy imports, caches) is counted
 in both figures.
+
+`--profile RAW`: after the rounds, one more burst through a fresh gateway of this tree with
+py-spy sampling it (`record --nonblocking`, 1,000 Hz; it needs ptrace rights on the gateway),
+the raw stacks in RAW, and where the gateway's CPU per stream went, by layer and function
+(profile_request.py's analysis).
 JSON in results/burst.json.
 """
 
@@ -27,22 +35,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
 import statistics
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from _common import ROOT, RssPeak, cpu_seconds, fmt, gateway, src_dir, write_json
+from profile_request import analyse
 from yarl import URL
 
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
+from tokenpipe.doctor.profile import py_spy_path
 from tokenpipe.serving import install_uvloop
 
 MODEL = "sim-model"
 #: RSS sampling period during a burst.
 SAMPLE_S = 0.05
+#: py-spy's samples per second with --profile.
+PROFILE_HZ = 1000
 
 
 @dataclass
@@ -61,11 +76,27 @@ class Round:
     rss_kib_per_stream: float | None
     cpu_ms_per_stream: float | None
     processes: int | None
+    #: The garbage collector's pauses over the burst (tokenpipe_gc_pause_seconds, all
+    #: generations), ms; None with --workers N > 1 or a gateway without the metric.
+    gc_pause_ms: float | None = None
 
 
-def _limiter_wait(url: str) -> tuple[float, float, float]:
+def _metrics(url: str) -> str:
+    return str(urllib.request.urlopen(url + "/metrics", timeout=10).read().decode())
+
+
+def _gc_pause_ms(text: str) -> float | None:
+    """tokenpipe_gc_pause_seconds' sum over its generations, in ms (None: no such metric)."""
+    sums = [
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("tokenpipe_gc_pause_seconds_sum")
+    ]
+    return sum(sums) * 1e3 if sums else None
+
+
+def _limiter_wait(text: str) -> tuple[float, float, float]:
     """(sum of seconds, requests, requests that waited 0 s) of tokenpipe_limiter_wait_seconds."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     total = count = zero = 0.0
     for line in text.splitlines():
         if not line.startswith("tokenpipe_limiter_wait_seconds"):
@@ -117,22 +148,27 @@ async def _round(url: str, gw: Service | None, args: argparse.Namespace) -> Roun
         ttfts, failed, tps, _ = await _burst(url, args)
         q = statistics.quantiles(ttfts, n=100)
         return Round(q[49], q[98], failed, tps, (0.0, 0.0, 0.0), None, None, None, None, None)
+    one = args.workers == 1  # else each worker has its own /metrics
+    gc0 = _gc_pause_ms(_metrics(url)) if one else None
     cpu0 = cpu_seconds(gw.pid)
     with RssPeak(gw.pid, SAMPLE_S) as rss:
         ttfts, failed, tps, _ = await _burst(url, args)
     cpu_s = cpu_seconds(gw.pid) - cpu0
+    text = _metrics(url) if one else ""
+    gc1 = _gc_pause_ms(text)
     q = statistics.quantiles(ttfts, n=100)
     return Round(
         q[49],
         q[98],
         failed,
         tps,
-        _limiter_wait(url) if args.workers == 1 else None,
+        _limiter_wait(text) if one else None,
         rss.before / 2**20,
         rss.peak / 2**20,
         (rss.peak - rss.before) / 1024 / args.streams,
         cpu_s * 1e3 / args.streams,
         len(rss.procs),
+        gc1 - gc0 if gc0 is not None and gc1 is not None else None,
     )
 
 
@@ -163,6 +199,7 @@ def _summary(name: str, rs: list[Round], direct: list[Round]) -> dict[str, Any]:
         "rss_peak_mib": _median([x.rss_peak_mib for x in rs]),
         "rss_kib_per_stream": _median([x.rss_kib_per_stream for x in rs]),
         "cpu_ms_per_stream": _median([x.cpu_ms_per_stream for x in rs]),
+        "gc_pause_ms": _median([x.gc_pause_ms for x in rs]),
         "rounds": [asdict(x) for x in rs],
     }
 
@@ -200,6 +237,8 @@ def _print(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                 f"{r['target']}: RSS {r['rss_before_mib']:.1f} MiB before the burst, "
                 f"{r['rss_peak_mib']:.1f} MiB at its peak ({n} process{'es' if n > 1 else ''})"
             )
+        if r.get("gc_pause_ms") is not None:
+            print(f"{r['target']}: the garbage collector paused it {r['gc_pause_ms']:.0f} ms")
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -222,9 +261,34 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                     f"p99 {x.ttft_p99_ms:.0f} ms{mem}",
                     flush=True,
                 )
-    rows = [_summary(name, rs, rounds["direct"]) for name, rs in rounds.items()]
-    _print(args, rows)
+        rows = [_summary(name, rs, rounds["direct"]) for name, rs in rounds.items()]
+        _print(args, rows)
+        if args.profile:
+            await _profile(sim, args)
     return {"rows": rows}
+
+
+async def _profile(sim: Service, args: argparse.Namespace) -> None:
+    """One burst through a fresh gateway of this tree, sampled by py-spy; its analysis."""
+    raw = Path(args.profile)
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    with _target("tokenpipe", sim, str(ROOT / "src"), args) as (url, gw):
+        assert gw is not None
+        argv = [py_spy_path(), "record", "--pid", str(gw.pid), "--rate", str(PROFILE_HZ)]
+        spy = await asyncio.create_subprocess_exec(
+            *argv,
+            *("--format", "raw", "--output", str(raw), "--nonblocking"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        await asyncio.sleep(1.0)  # py-spy attaches
+        cpu0 = cpu_seconds(gw.pid)
+        await _burst(url, args)
+        cpu_us = (cpu_seconds(gw.pid) - cpu0) * 1e6 / args.streams
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        await asyncio.wait_for(spy.wait(), 30)
+    print(f"\nprofiled burst: {cpu_us:.0f} us of gateway CPU per stream (py-spy attached)")
+    analyse(raw, args.streams, PROFILE_HZ, 25, cpu_us)
 
 
 def main() -> None:
@@ -242,6 +306,7 @@ def main() -> None:
         "--upstream-host",
         help="the name the gateways reach the sim by (e.g. localhost), instead of 127.0.0.1",
     )
+    p.add_argument("--profile", metavar="RAW", help="+ one burst under py-spy, stacks in RAW")
     p.add_argument("--json", default=str(ROOT / "results" / "burst.json"))
     args = p.parse_args()
     if args.workers < 1:
