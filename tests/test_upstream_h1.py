@@ -448,7 +448,8 @@ def test_a_new_connection_has_no_delay_and_the_bounded_receive_buffer(loop_kind:
             finally:
                 pool.close()
 
-    runner = asyncio.Runner(loop_factory=uvloop.new_event_loop if loop_kind == "uvloop" else None)
+    factory = uvloop.new_event_loop if loop_kind == "uvloop" else asyncio.SelectorEventLoop
+    runner = asyncio.Runner(loop_factory=factory)
     with runner:
         nodelay, rcvbuf = runner.run(check())
     assert nodelay == 1
