@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import psutil
 
 from tokenpipe.bench import procs, run_load
 from tokenpipe.bench.procs import Service
+from tokenpipe.doctor.profile import py_spy_path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: LiteLLM lives in its own venv: its pins must not touch ours.
@@ -287,3 +289,22 @@ def _strace_table(path: str) -> dict[str, int]:
         if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
             counts[parts[-1]] = int(parts[3])
     return counts
+
+
+@contextlib.asynccontextmanager
+async def py_spy_recording(pid: int, raw: Path, rate_hz: int) -> AsyncIterator[None]:
+    """py-spy sampling process `pid` while the block runs (`record --nonblocking`; it needs
+    ptrace rights on it), its raw stacks written to `raw` when the block ends."""
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    spy = await asyncio.create_subprocess_exec(
+        *(py_spy_path(), "record", "--pid", str(pid), "--rate", str(rate_hz)),
+        *("--format", "raw", "--output", str(raw), "--nonblocking"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    await asyncio.sleep(1.0)  # py-spy attaches
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        await asyncio.wait_for(spy.wait(), 30)

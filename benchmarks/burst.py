@@ -35,22 +35,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import statistics
-import subprocess
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, RssPeak, cpu_seconds, fmt, gateway, src_dir, write_json
+from _common import (
+    ROOT,
+    RssPeak,
+    cpu_seconds,
+    fmt,
+    gateway,
+    py_spy_recording,
+    src_dir,
+    write_json,
+)
 from profile_request import analyse
 from yarl import URL
 
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
-from tokenpipe.doctor.profile import py_spy_path
 from tokenpipe.serving import install_uvloop
 
 MODEL = "sim-model"
@@ -271,22 +277,12 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
 async def _profile(sim: Service, args: argparse.Namespace) -> None:
     """One burst through a fresh gateway of this tree, sampled by py-spy; its analysis."""
     raw = Path(args.profile)
-    raw.parent.mkdir(parents=True, exist_ok=True)
     with _target("tokenpipe", sim, str(ROOT / "src"), args) as (url, gw):
         assert gw is not None
-        argv = [py_spy_path(), "record", "--pid", str(gw.pid), "--rate", str(PROFILE_HZ)]
-        spy = await asyncio.create_subprocess_exec(
-            *argv,
-            *("--format", "raw", "--output", str(raw), "--nonblocking"),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )
-        await asyncio.sleep(1.0)  # py-spy attaches
-        cpu0 = cpu_seconds(gw.pid)
-        await _burst(url, args)
-        cpu_us = (cpu_seconds(gw.pid) - cpu0) * 1e6 / args.streams
-        spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-        await asyncio.wait_for(spy.wait(), 30)
+        async with py_spy_recording(gw.pid, raw, PROFILE_HZ):
+            cpu0 = cpu_seconds(gw.pid)
+            await _burst(url, args)
+            cpu_us = (cpu_seconds(gw.pid) - cpu0) * 1e6 / args.streams
     print(f"\nprofiled burst: {cpu_us:.0f} us of gateway CPU per stream (py-spy attached)")
     analyse(raw, args.streams, PROFILE_HZ, 25, cpu_us)
 

@@ -65,6 +65,7 @@ async def _own_socket(pool: h1.Pool) -> Connection:
 
 
 def _cpu() -> float:
+    """This process's CPU seconds alone (_common.cpu_seconds would add the listener child's)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 

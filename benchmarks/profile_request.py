@@ -35,18 +35,15 @@ import asyncio
 import contextlib
 import os
 import re
-import signal
 import statistics
-import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-from _common import ROOT, bare_relay, gateway, one_token_requests
+from _common import ROOT, bare_relay, gateway, one_token_requests, py_spy_recording
 
 from tokenpipe.bench.procs import Service
-from tokenpipe.doctor.profile import py_spy_path
 from tokenpipe.serving import install_uvloop
 
 #: Layers by file path (first match wins): (layer, pattern on "path/to/file.py").
@@ -190,27 +187,9 @@ async def _load(svc: Service, concurrency: int, requests: int) -> tuple[float, f
 
 async def _profile(svc: Service, args: argparse.Namespace) -> None:
     raw = Path(args.raw)
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    spy = await asyncio.create_subprocess_exec(
-        py_spy_path(),
-        "record",
-        "--pid",
-        str(svc.pid),
-        "--rate",
-        str(args.rate),
-        "--format",
-        "raw",
-        "--output",
-        str(raw),
-        "--nonblocking",
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    await asyncio.sleep(1.0)  # py-spy attaches
-    user, system = await _load(svc, args.concurrency, args.profile_requests)
+    async with py_spy_recording(svc.pid, raw, args.rate):
+        user, system = await _load(svc, args.concurrency, args.profile_requests)
     cpu = user + system
-    spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-    await asyncio.wait_for(spy.wait(), 30)
     print(
         f"\nprofiled: {cpu * 1e6:.0f} us of gateway CPU per request (py-spy attached), "
         f"{system / cpu:.0%} of it in the kernel"

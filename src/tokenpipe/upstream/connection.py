@@ -8,6 +8,7 @@ UpstreamProtocolError, a close or break before the response ended an UpstreamDis
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Protocol, cast
 
 import httptools
@@ -38,8 +39,9 @@ class Owner(Protocol):
 class Connection(asyncio.Protocol):
     """One keep-alive connection; carries one request at a time."""
 
-    def __init__(self, pool: Owner) -> None:
+    def __init__(self, pool: Owner, receive_buffer_bytes: int = 0) -> None:
         self.pool = pool
+        self.receive_buffer_bytes = receive_buffer_bytes  # 0: the kernel's autotuning
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
@@ -63,7 +65,13 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
-        if sock is not None and transport.get_extra_info("sslcontext") is None:
+        if sock is None:
+            return
+        if self.receive_buffer_bytes:
+            # Connected, before the request is written: this only lowers the buffer (and
+            # ends its autotuning), which needs no window scale of its own.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer_bytes)
+        if transport.get_extra_info("sslcontext") is None:
             self.fd = sock.fileno()
 
     def data_received(self, data: bytes) -> None:

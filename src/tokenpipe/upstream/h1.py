@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import socket
 import ssl
 import time
 
@@ -170,8 +169,8 @@ class Pool:
                     # it once per stream. The address is the resolver's IP literal, which the
                     # loop does not look up again.
                     try:
-                        transport, conn = await loop.create_connection(
-                            functools.partial(Connection, self),
+                        _, conn = await loop.create_connection(
+                            functools.partial(Connection, self, self.receive_buffer_bytes),
                             addr[0],
                             addr[1],
                             family=family,
@@ -184,14 +183,6 @@ class Pool:
                     except OSError as e:
                         error = e
                         continue
-                    if self.receive_buffer_bytes:
-                        # After the handshake: this only lowers the buffer (and ends its
-                        # autotuning), which needs no window scale of its own.
-                        sock = transport.get_extra_info("socket")
-                        if sock is not None:
-                            sock.setsockopt(
-                                socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer_bytes
-                            )
                     if conn.lost:  # closed by the upstream as soon as accepted
                         raise UpstreamDisconnected("the upstream closed the connection at once")
                     self._members.add(conn)
