@@ -4,6 +4,7 @@ limit starts at `limits.initial_concurrency`, 32).
 
     python benchmarks/burst.py                       # 1,000 streams, 10 tokens/s, 30 tokens
     python benchmarks/burst.py --base ../base/src    # + a gateway of another checkout
+    python benchmarks/burst.py --relay               # + the bare aiohttp relay (the floor)
     python benchmarks/burst.py --workers 2           # serve --workers 2 (both gateways)
     python benchmarks/burst.py --upstream-host localhost   # the sim by name: DNS per connect
     python benchmarks/burst.py --rounds 1 --profile results/burst_profile.txt
@@ -15,6 +16,11 @@ burst's requests and the share of them that waited at all (not shown with `--wor
 each worker keeps its own, and /metrics is answered by one of them). Below the table: the
 garbage collector's pauses over the burst (`tokenpipe_gc_pause_seconds`, not shown with
 `--workers` N > 1 either).
+
+`--relay`: the bare aiohttp relay (benchmarks/bare_relay.py: bytes forwarded, no parsing, no
+limit, no metrics) as one more target, started fresh for its burst like the gateways: what any
+Python hop adds to a burst on this machine. It is one process whatever `--workers` says, and
+has no /metrics, so no limiter wait or GC pauses of its own are shown.
 
 The gateway's memory per open stream: the summed RSS of its processes (with `--workers N`, the
 parent holding the port, multiprocessing's resource tracker and the N workers: psutil's
@@ -45,6 +51,7 @@ from typing import Any
 from _common import (
     ROOT,
     RssPeak,
+    bare_relay,
     cpu_seconds,
     fmt,
     gateway,
@@ -117,12 +124,20 @@ def _limiter_wait(text: str) -> tuple[float, float, float]:
     return total, count, zero
 
 
+#: The target that is the bare relay in a run's targets (no src: it is benchmarks/').
+RELAY = "relay"
+
+
 @contextlib.contextmanager
 def _target(
     name: str, sim: Service, src: str | None, args: argparse.Namespace
 ) -> Iterator[tuple[str, Service | None]]:
     if name == "direct":
         yield sim.url, None
+        return
+    if name == RELAY:
+        with bare_relay(sim.url) as relay:
+            yield relay.url, relay
         return
     # --upstream-host: the gateway reaches the sim by that name (a lookup per connection
     # unless cached), not by its IP literal.
@@ -148,13 +163,16 @@ async def _burst(url: str, args: argparse.Namespace) -> tuple[list[float], int, 
     return ttfts, failed, tokens / max(result.wall_s, 1e-9), result.wall_s
 
 
-async def _round(url: str, gw: Service | None, args: argparse.Namespace) -> Round:
-    """One burst against `url`, with the gateway's memory and CPU when there is one (`gw`)."""
+async def _round(
+    url: str, gw: Service | None, args: argparse.Namespace, metrics: bool = True
+) -> Round:
+    """One burst against `url`, with the gateway's memory and CPU when there is one (`gw`),
+    and its limiter waits and GC pauses when it has a /metrics of its own (`metrics`)."""
     if gw is None:
         ttfts, failed, tps, _ = await _burst(url, args)
         q = statistics.quantiles(ttfts, n=100)
         return Round(q[49], q[98], failed, tps, (0.0, 0.0, 0.0), None, None, None, None, None)
-    one = args.workers == 1  # else each worker has its own /metrics
+    one = metrics and args.workers == 1  # else each worker has its own /metrics
     gc0 = _gc_pause_ms(_metrics(url)) if one else None
     cpu0 = cpu_seconds(gw.pid)
     with RssPeak(gw.pid, SAMPLE_S) as rss:
@@ -253,12 +271,14 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets: dict[str, str | None] = {"direct": None, "tokenpipe": str(ROOT / "src")}
     if args.base:
         targets["base"] = args.base
+    if args.relay:
+        targets[RELAY] = None
     rounds: dict[str, list[Round]] = {}
     with Service("sim", "--port", "0", *sim_args, name="sim") as sim:
         for r in range(args.rounds):
             for name, src in targets.items():
                 with _target(name, sim, src, args) as (url, gw):
-                    x = await _round(url, gw, args)
+                    x = await _round(url, gw, args, metrics=name != RELAY)
                 rounds.setdefault(name, []).append(x)
                 kib = x.rss_kib_per_stream
                 mem = f", {kib:.1f} KiB/stream" if kib is not None else ""
@@ -302,6 +322,7 @@ def main() -> None:
         "--upstream-host",
         help="the name the gateways reach the sim by (e.g. localhost), instead of 127.0.0.1",
     )
+    p.add_argument("--relay", action="store_true", help="+ the bare aiohttp relay as a target")
     p.add_argument("--profile", metavar="RAW", help="+ one burst under py-spy, stacks in RAW")
     p.add_argument("--json", default=str(ROOT / "results" / "burst.json"))
     args = p.parse_args()
