@@ -52,6 +52,15 @@ def process_tree(pid: int) -> list[psutil.Process]:
     return [p, *p.children(recursive=True)]
 
 
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of `pid` and of its descendants (`process_tree`) on `cpu` only. Threads
+    started later inherit it from the thread that starts them."""
+    for proc in process_tree(pid):
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                os.sched_setaffinity(int(tid), {cpu})
+
+
 def rss_bytes(procs: list[psutil.Process]) -> int:
     """The summed resident set of `procs` (0 for those that have exited)."""
     total = 0

@@ -5,6 +5,7 @@ limit starts at `limits.initial_concurrency`, 32).
     python benchmarks/burst.py                       # 1,000 streams, 10 tokens/s, 30 tokens
     python benchmarks/burst.py --base ../base/src    # + a gateway of another checkout
     python benchmarks/burst.py --relay               # + the bare aiohttp relay (the floor)
+    python benchmarks/burst.py --pin --relay         # each hop a core of its own
     python benchmarks/burst.py --workers 2           # serve --workers 2 (both gateways)
     python benchmarks/burst.py --upstream-host localhost   # the sim by name: DNS per connect
     python benchmarks/burst.py --rounds 1 --profile results/burst_profile.txt
@@ -21,6 +22,13 @@ garbage collector's pauses over the burst (`tokenpipe_gc_pause_seconds`, not sho
 limit, no metrics) as one more target, started fresh for its burst like the gateways: what any
 Python hop adds to a burst on this machine. It is one process whatever `--workers` says, and
 has no /metrics, so no limiter wait or GC pauses of its own are shown.
+
+`--pin`: the gateway (every process and thread of it, or the relay) alone on CPU 0, the sim and
+the client (this process) on CPU 1, direct included. Unpinned, the three share this machine's
+2 cores, so whatever CPU the gateway spends per request is taken from the sim and the client
+as well, and a burst's added TTFT is mostly that contention. Pinned, the sim and the client
+are slower (one core between them, the direct row says by how much) and the added TTFT is the
+gateway's own queue and hop: what a gateway on a core of its own adds.
 
 The gateway's memory per open stream: the summed RSS of its processes (with `--workers N`, the
 parent holding the port, multiprocessing's resource tracker and the N workers: psutil's
@@ -41,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import urllib.request
 from collections.abc import Iterator
@@ -55,6 +64,7 @@ from _common import (
     cpu_seconds,
     fmt,
     gateway,
+    pin,
     py_spy_recording,
     src_dir,
     write_json,
@@ -137,12 +147,16 @@ def _target(
         return
     if name == RELAY:
         with bare_relay(sim.url) as relay:
+            if args.pin:
+                pin(relay.pid, 0)
             yield relay.url, relay
         return
     # --upstream-host: the gateway reaches the sim by that name (a lookup per connection
     # unless cached), not by its IP literal.
     upstream = str(URL(sim.url).with_host(args.upstream_host)) if args.upstream_host else sim.url
     with gateway(upstream, src=src, workers=args.workers) as gw:
+        if args.pin:
+            pin(gw.pid, 0)
         yield gw.url, gw
 
 
@@ -237,6 +251,8 @@ def _print(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         f"\n{args.streams} streams at once, {args.tokens} tokens at {args.tokens_per_second:g}/s, "
         f"TTFT {args.ttft_ms:g} ms at the sim"
     )
+    if args.pin:
+        print("pinned: each gateway alone on CPU 0; the sim and the client on CPU 1")
     if args.workers > 1:
         print(f"gateways with --workers {args.workers}; wait s, waited: not shown (per worker)")
     print(
@@ -275,6 +291,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         targets[RELAY] = None
     rounds: dict[str, list[Round]] = {}
     with Service("sim", "--port", "0", *sim_args, name="sim") as sim:
+        if args.pin:  # the gateways on CPU 0 (_target); the sim and this process on 1
+            pin(sim.pid, 1)
+            pin(os.getpid(), 1)
         for r in range(args.rounds):
             for name, src in targets.items():
                 with _target(name, sim, src, args) as (url, gw):
@@ -321,6 +340,9 @@ def main() -> None:
     p.add_argument(
         "--upstream-host",
         help="the name the gateways reach the sim by (e.g. localhost), instead of 127.0.0.1",
+    )
+    p.add_argument(
+        "--pin", action="store_true", help="the gateway on CPU 0, the sim and the client on 1"
     )
     p.add_argument("--relay", action="store_true", help="+ the bare aiohttp relay as a target")
     p.add_argument("--profile", metavar="RAW", help="+ one burst under py-spy, stacks in RAW")

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-from _common import ROOT, bare_relay, gateway, one_token_requests, py_spy_recording
+from _common import ROOT, bare_relay, gateway, one_token_requests, pin, py_spy_recording
 
 from tokenpipe.bench.procs import Service
 from tokenpipe.serving import install_uvloop
@@ -161,12 +161,6 @@ def _gateway(sim_url: str, src: str) -> Service:
     return gateway(sim_url, env={"PYTHONPATH": src})
 
 
-def _pin(pid: int, cpu: int) -> None:
-    """Every thread of `pid` on `cpu` only."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), {cpu})
-
-
 def _cpu(pid: int) -> tuple[float, float]:
     """(user, system) CPU seconds of a process so far."""
     times = psutil.Process(pid).cpu_times()
@@ -212,9 +206,9 @@ async def _bench(args: argparse.Namespace) -> None:
             targets["bare relay"] = relay
         if args.pin:  # the gateways on CPU 0; this process (client, py-spy) and the sim on 1
             for svc in targets.values():
-                _pin(svc.pid, 0)
-            _pin(sim.pid, 1)
-            _pin(os.getpid(), 1)
+                pin(svc.pid, 0)
+            pin(sim.pid, 1)
+            pin(os.getpid(), 1)
         for svc in targets.values():  # warm-up: connections, caches, estimators
             await _load(svc, args.concurrency, args.concurrency * 8)
         if args.profile:
