@@ -198,28 +198,6 @@ def test_hedge_delay_counts_cut_stalls_as_slower_than_every_ttft_seen() -> None:
     assert tail.hedge_delay("u", "m", 0) == pytest.approx(0.109, rel=0.02)
 
 
-def test_a_queue_longer_than_the_window_of_answers_keeps_the_static_delays() -> None:
-    """A cold gateway in a burst: its first answers are the fastest ones, while the rest
-    still wait; their p95 would hedge (and their p99 cut) the whole queue."""
-    from tokenpipe.router import Router
-    from tokenpipe.router.policy import Policy
-    from tokenpipe.settings import TailSettings
-
-    clock = ManualClock()
-    tail = Policy(TailSettings(), Router([]), clock)
-    for i in range(100):
-        tail.ttft_estimate("u", "m", 0).add(0.010 + i * 0.001)
-    clock.advance(1)
-    learned = (tail.hedge_delay("u", "m", 0), tail.ttft_deadline("u", "m", 0))
-    assert learned == (pytest.approx(0.105, rel=0.02), 2.0)  # p95; 1.5 x p99 under the floor
-    waiting = tail.waiting("u", "m", 0)
-    waiting.n = 101  # more requests wait for a first token than the window has answers
-    assert (tail.hedge_delay("u", "m", 0), tail.ttft_deadline("u", "m", 0)) == (1.0, 10.0)
-    assert tail.hedge_delay("u", "m", 1) == 1.0  # (another prompt class: its own estimate)
-    waiting.n = 100  # as many as answered: the estimate is trusted again
-    assert (tail.hedge_delay("u", "m", 0), tail.ttft_deadline("u", "m", 0)) == learned
-
-
 def test_the_deadline_gauge_shows_each_new_hedge_delay() -> None:
     from tokenpipe.observe import metrics
     from tokenpipe.router import Router

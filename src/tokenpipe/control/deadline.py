@@ -21,10 +21,8 @@ class AdaptiveDeadline:
     initial: float = 10.0  # seconds, until `min_samples` values were seen
     min_samples: int = 20
 
-    def value(self, est: RollingQuantiles | None, needed: int = 0) -> float:
-        """The deadline now; `initial` until `est` holds `min_samples` values, and `needed`
-        if that is more (router.policy: at least as many as the requests still waiting)."""
-        if est is None or est.count < max(self.min_samples, needed):
+    def value(self, est: RollingQuantiles | None) -> float:
+        if est is None or est.count < self.min_samples:
             return self.initial
         q = est.quantile(self.quantile)
         if q is None:

@@ -46,16 +46,6 @@ def prompt_class(tokens: int) -> int:
     return min(3, 1 + int(math.log(tokens / 1024, 4)))
 
 
-class Waiting:
-    """Requests waiting now for their first token from one upstream, model and prompt class
-    (race.first_content counts each one in and out)."""
-
-    __slots__ = ("n",)
-
-    def __init__(self) -> None:
-        self.n = 0
-
-
 class Policy:
     def __init__(self, settings: TailSettings, router: Router, clock: Clock = MONOTONIC) -> None:
         self.settings = settings
@@ -79,8 +69,6 @@ class Policy:
         self._gap: dict[tuple[str, str], RollingQuantiles] = {}
         # (upstream, model, prompt class) -> first tokens that never came (only counted).
         self._censored: dict[tuple[str, str, int], RollingQuantiles] = {}
-        # (upstream, model, prompt class) -> requests waiting for a first token now.
-        self._waiting: dict[tuple[str, str, int], Waiting] = {}
         # (kind, upstream, model) -> the deadline gauge's value as last set.
         self._deadlines_shown: dict[tuple[str, str, str], float] = {}
 
@@ -97,38 +85,13 @@ class Policy:
     def ttft_estimate(self, upstream: str, model: str, cls: int) -> RollingQuantiles:
         return self._est(self._ttft, (upstream, model, cls))
 
-    def waiting(self, upstream: str, model: str, cls: int) -> Waiting:
-        """The count of requests waiting for a first token here. Bound: as the estimators
-        (an evicted count still held by requests in flight only stops being read)."""
-        key = (upstream, model, cls)
-        w = self._waiting.get(key)
-        if w is None:
-            if len(self._waiting) >= MAX_ESTIMATORS:
-                del self._waiting[next(iter(self._waiting))]
-            w = self._waiting[key] = Waiting()
-        return w
-
-    def _samples_needed(self, upstream: str, model: str, cls: int) -> int:
-        """TTFTs a window must hold before its quantiles replace the static TTFT deadline and
-        hedge delay: `tail.min_samples`, and at least as many as the requests waiting for a
-        first token now. Those are TTFTs not seen yet, all longer than their wait so far. In
-        steady state the window (60 s of answers) holds far more than are waiting (TTFT /
-        window of them: 1 in 30 at 2 s). A cold gateway hit by a burst holds only its first,
-        fastest answers while the rest queue: the p95 of 20 answers among 1,000 requests put
-        the hedge delay at 0.2-0.36 s and hedged the queue, 34-51 hedges a 1,000-stream
-        burst against the sim, every one of them lost (benchmarks/burst.py)."""
-        w = self._waiting.get((upstream, model, cls))
-        n = self.settings.min_samples
-        return n if w is None or w.n <= n else w.n
-
     def gap_estimate(self, upstream: str, model: str) -> RollingQuantiles:
         return self._est(self._gap, (upstream, model))
 
     def ttft_deadline(self, upstream: str, model: str, cls: int) -> float | None:
         if not self.settings.deadlines:
             return None
-        est = self.ttft_estimate(upstream, model, cls)
-        value = self.ttft_rule.value(est, self._samples_needed(upstream, model, cls))
+        value = self.ttft_rule.value(self.ttft_estimate(upstream, model, cls))
         self._show_deadline("ttft", upstream, model, value)
         return value
 
@@ -155,7 +118,7 @@ class Policy:
         est = self.ttft_estimate(upstream, model, cls)
         q = None
         n = est.count
-        if n >= self._samples_needed(upstream, model, cls):
+        if n >= self.settings.min_samples:
             cut = self._est(self._censored, (upstream, model, cls)).count
             q = est.quantile(min(1.0, h.quantile * (n + cut) / n))
         value = h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)

@@ -45,19 +45,7 @@ def _broke() -> GatewayError:
 async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> UpstreamResponse:
     """Returns the response to read on, whose events up to its first content are in the
     accumulator already. Raises GatewayError when no stream produced content in time and no
-    retry is left. The request counts as waiting for a first token from its upstream
-    meanwhile (Policy.waiting: the estimates are not trusted while the queue outnumbers
-    them)."""
-    req = route.req
-    waiting = route.policy.waiting(route.upstream.name, req.model, req.cls)
-    waiting.n += 1
-    try:
-        return await _first_content(route, parser, acc)
-    finally:
-        waiting.n -= 1
-
-
-async def _first_content(route: Route, parser: EventParser, acc: Accumulator) -> UpstreamResponse:
+    retry is left."""
     policy, req = route.policy, route.req
     uresp = route.uresp
     hedging = policy.settings.hedging
