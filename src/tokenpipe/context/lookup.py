@@ -18,6 +18,7 @@ from tokenpipe.context.gguf_meta import GGUFError, read_metadata
 from tokenpipe.context.windows import WindowDiscovery
 from tokenpipe.control.published import known_window
 from tokenpipe.errors import GatewayError
+from tokenpipe.flight import SingleFlight
 from tokenpipe.router import Router
 from tokenpipe.settings import ContextModel
 
@@ -34,6 +35,7 @@ class ModelLookup:
         self.discovery = WindowDiscovery()
         self._counters: OrderedDict[str, tokens.TokenCounter] = OrderedDict()
         self._gguf_windows: dict[str, int | None] = {}
+        self._loading: SingleFlight[tokens.TokenCounter] = SingleFlight()
 
     async def window(self, model: str) -> int | None:
         cfg = self.models.get(model)
@@ -74,11 +76,14 @@ class ModelLookup:
 
     async def counter(self, model: str) -> tokens.TokenCounter:
         """The model's counter; the first use loads its tokenizer off the event loop (a GGUF
-        vocabulary takes about a second). Two first requests at once may both load it."""
+        vocabulary takes about a second), once however many requests need it meanwhile."""
         found = self._counters.get(model)
         if found is not None:
             self._counters.move_to_end(model)
             return found
+        return await self._loading.do(model, lambda: self._load(model))
+
+    async def _load(self, model: str) -> tokens.TokenCounter:
         cfg = self.models.get(model)
         spec = cfg.tokenizer if cfg else "auto"
         counter = await asyncio.to_thread(

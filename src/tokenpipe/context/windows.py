@@ -12,12 +12,12 @@ A model with no known window is not budgeted at all: guessing would alter reques
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import OrderedDict
 from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.flight import SingleFlight
 from tokenpipe.upstream.http import HttpUpstream
 
 log = logging.getLogger("tokenpipe.context")
@@ -50,20 +50,22 @@ class WindowDiscovery:
     def __init__(self, clock: Clock = MONOTONIC) -> None:
         self.clock = clock
         self._cache: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
-        self._lock = asyncio.Lock()
+        self._fetching: SingleFlight[tuple[float, dict[str, int]]] = SingleFlight()
 
     async def window(self, upstream: HttpUpstream, model: str) -> int | None:
-        now = self.clock.now()
         hit = self._cache.get(upstream.name)
-        if hit is None or now - hit[0] > DISCOVERY_TTL:
-            async with self._lock:  # one fetch at a time; others wait (bounded by its 5 s)
-                hit = self._cache.get(upstream.name)
-                if hit is None or now - hit[0] > DISCOVERY_TTL:
-                    hit = (now, await self._fetch(upstream))
-                    self._cache[upstream.name] = hit
-                    while len(self._cache) > MAX_DISCOVERED:
-                        self._cache.popitem(last=False)
+        if hit is None or self.clock.now() - hit[0] > DISCOVERY_TTL:
+            # One fetch per upstream at a time (bounded by its 5 s); the requests that need
+            # it meanwhile await that fetch.
+            hit = await self._fetching.do(upstream.name, lambda: self._refresh(upstream))
         return hit[1].get(model)
+
+    async def _refresh(self, upstream: HttpUpstream) -> tuple[float, dict[str, int]]:
+        hit = (self.clock.now(), await self._fetch(upstream))
+        self._cache[upstream.name] = hit
+        while len(self._cache) > MAX_DISCOVERED:
+            self._cache.popitem(last=False)
+        return hit
 
     async def _fetch(self, upstream: HttpUpstream) -> dict[str, int]:
         data = await upstream.models_json()

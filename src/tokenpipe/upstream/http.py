@@ -20,6 +20,7 @@ from yarl import URL
 
 from tokenpipe.control.pacing import PACE_HEADER
 from tokenpipe.errors import GatewayError
+from tokenpipe.flight import SingleFlight
 from tokenpipe.settings import UpstreamSettings
 from tokenpipe.upstream import h1
 from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
@@ -73,7 +74,8 @@ class HttpUpstream:
         self._models: list[str] | None = None
         self._models_at = 0.0
         self._models_failed_at = -MODELS_RETRY
-        self._models_lock = asyncio.Lock()  # one /models request at a time (a cold burst)
+        # One /models request at a time; a cold burst's requests await that one (flight.py).
+        self._models_flight: SingleFlight[list[str] | None] = SingleFlight()
         self._responses = ResponsesProbe(self._ask_responses)
 
     @property
@@ -249,12 +251,7 @@ class HttpUpstream:
         hit, found = self._cached_models(time.monotonic())
         if hit:
             return found
-        async with self._models_lock:
-            now = time.monotonic()
-            hit, found = self._cached_models(now)
-            if hit:  # fetched (or failed) while this request waited for the lock
-                return found
-            return await self._fetch_models(now)
+        return await self._models_flight.do(None, self._fetch_models)
 
     def _cached_models(self, now: float) -> tuple[bool, list[str] | None]:
         """(True, answer) while the last list is fresh or the last failure recent."""
@@ -262,7 +259,8 @@ class HttpUpstream:
             return True, self._models
         return now - self._models_failed_at < MODELS_RETRY, None
 
-    async def _fetch_models(self, now: float) -> list[str] | None:
+    async def _fetch_models(self) -> list[str] | None:
+        now = time.monotonic()
         data = await self.models_json()
         try:
             self._models = [m["id"] for m in data["data"]]

@@ -22,6 +22,7 @@ import socket
 from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.flight import SingleFlight
 
 #: Seconds an answer is reused: aiohttp's default (`ttl_dns_cache=10`). An upstream that moves
 #: to new addresses is followed within this, or at once when the old ones refuse.
@@ -38,7 +39,7 @@ class Resolver:
         self.clock = clock
         self._infos: list[AddrInfo] | None = None
         self._expires = 0.0
-        self._lookup: asyncio.Task[list[AddrInfo]] | None = None
+        self._lookup: SingleFlight[list[AddrInfo]] = SingleFlight()
         #: Lookups made (each a getaddrinfo call).
         self.lookups = 0
 
@@ -47,19 +48,13 @@ class Resolver:
         (started if none is). A waiter that is cancelled leaves the lookup to the others."""
         if self._infos is not None and self.clock.now() < self._expires:
             return self._infos
-        if self._lookup is None:
-            self._lookup = asyncio.create_task(self._resolve())
-            self._lookup.add_done_callback(_retrieve)
-        return await asyncio.shield(self._lookup)
+        return await self._lookup.do(None, self._resolve)
 
     async def _resolve(self) -> list[AddrInfo]:
         self.lookups += 1
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                self.host, self.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-            )
-        finally:
-            self._lookup = None
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            self.host, self.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+        )
         self._infos = list(infos)
         self._expires = self.clock.now() + self.ttl
         return self._infos
@@ -67,10 +62,3 @@ class Resolver:
     def forget(self) -> None:
         """The cached answer is dropped: the next connection looks the host up again."""
         self._infos = None
-
-
-def _retrieve(task: asyncio.Task[list[AddrInfo]]) -> None:
-    """A lookup whose every waiter gave up still ends; its error is read here, not logged
-    as never retrieved (the next connection looks again)."""
-    if not task.cancelled():
-        task.exception()

@@ -1,0 +1,147 @@
+"""Single flight (flight.py): the callers that need one lookup while it runs share it and
+wake together, and the lookups a cold burst meets use it: the upstream's model list, the
+context windows it serves (real upstream servers on loopback), a model's token counter."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.local_app import serving
+from tokenpipe.context.lookup import ModelLookup
+from tokenpipe.context.windows import WindowDiscovery
+from tokenpipe.flight import SingleFlight
+from tokenpipe.router import Router
+from tokenpipe.settings import UpstreamSettings
+from tokenpipe.upstream.http import HttpUpstream
+
+#: Callers at once, as a cold burst's first requests.
+BURST = 200
+
+
+async def _all_done_with_the_first(tasks: Sequence[asyncio.Task[Any]]) -> bool:
+    """Whether every task had ended by the time the first one's end was seen. Waiters queued
+    on a lock end one per turn of the event loop; waiters of one flight, in the same turn."""
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finished = sum(1 for t in tasks if t.done())
+    await asyncio.gather(*tasks)
+    return finished == len(tasks)
+
+
+async def test_callers_of_one_key_share_one_run_and_wake_together() -> None:
+    runs: list[str] = []
+    gate = asyncio.Event()
+
+    async def look(key: str) -> str:
+        runs.append(key)
+        await gate.wait()
+        return key.upper()
+
+    flight: SingleFlight[str] = SingleFlight()
+    tasks = [asyncio.create_task(flight.do("a", lambda: look("a"))) for _ in range(BURST)]
+    other = asyncio.create_task(flight.do("b", lambda: look("b")))
+    while len(runs) < 2:  # both runs started (loop turns, no timed wait)
+        await asyncio.sleep(0)
+    assert len(flight) == 2
+    gate.set()
+    assert await _all_done_with_the_first(tasks)
+    assert [t.result() for t in tasks] == ["A"] * BURST and await other == "B"
+    assert sorted(runs) == ["a", "b"] and len(flight) == 0  # one run per key, then forgotten
+    assert await flight.do("a", lambda: look("a")) == "A" and runs.count("a") == 2  # no cache
+
+
+async def test_a_caller_that_gives_up_leaves_the_run_to_the_others() -> None:
+    gate = asyncio.Event()
+    runs = 0
+
+    async def look() -> int:
+        nonlocal runs
+        runs += 1
+        await gate.wait()
+        return 7
+
+    flight: SingleFlight[int] = SingleFlight()
+    first = asyncio.create_task(flight.do("k", look))
+    second = asyncio.create_task(flight.do("k", look))
+    while runs == 0:
+        await asyncio.sleep(0)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    gate.set()
+    assert await second == 7 and runs == 1
+
+
+async def test_an_error_reaches_every_caller_and_the_next_call_runs_again() -> None:
+    calls = 0
+
+    async def failing() -> int:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0)
+        raise ValueError("no")
+
+    flight: SingleFlight[int] = SingleFlight()
+    got = await asyncio.gather(*(flight.do("k", failing) for _ in range(5)), return_exceptions=True)
+    assert calls == 1 and all(isinstance(e, ValueError) for e in got)
+    with pytest.raises(ValueError):
+        await flight.do("k", failing)
+    assert calls == 2
+
+
+def _models_app(gate: asyncio.Event, asked: list[str]) -> web.Application:
+    async def models(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        await gate.wait()  # every caller is waiting before the list comes
+        return web.json_response({"data": [{"id": "m1", "max_model_len": 8192}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def test_a_cold_burst_asks_the_upstream_for_its_models_once_and_wakes_together() -> None:
+    gate, asked = asyncio.Event(), list[str]()
+    async with serving(_models_app(gate, asked)) as url:
+        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"))
+        try:
+            tasks = [asyncio.create_task(upstream.serves("m1")) for _ in range(BURST)]
+            while not asked:  # the one request reached the upstream
+                await asyncio.sleep(0)
+            gate.set()
+            assert await _all_done_with_the_first(tasks)
+            assert all(t.result() for t in tasks) and asked == ["/v1/models"]
+        finally:
+            await upstream.close()
+
+
+async def test_a_cold_burst_asks_once_for_the_windows_served_and_wakes_together() -> None:
+    gate, asked = asyncio.Event(), list[str]()
+    async with serving(_models_app(gate, asked)) as url:
+        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"))
+        found = WindowDiscovery()
+        try:
+            tasks = [asyncio.create_task(found.window(upstream, "m1")) for _ in range(BURST)]
+            while not asked:
+                await asyncio.sleep(0)
+            gate.set()
+            assert await _all_done_with_the_first(tasks)
+            assert [t.result() for t in tasks] == [8192] * BURST and asked == ["/v1/models"]
+        finally:
+            await upstream.close()
+
+
+async def test_a_cold_burst_loads_a_models_token_counter_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lookup = ModelLookup({}, Router([]))
+    with caplog.at_level(logging.INFO, logger="tokenpipe.context"):
+        counters = await asyncio.gather(*(lookup.counter("gpt-4o") for _ in range(BURST)))
+    assert all(c is counters[0] for c in counters)
+    loads = [r for r in caplog.records if "counts tokens with" in r.getMessage()]
+    assert len(loads) == 1  # one worker-thread load, not one per request
