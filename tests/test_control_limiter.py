@@ -177,3 +177,31 @@ async def test_a_200_answer_grows_the_limit_before_the_stream_ends() -> None:
         lim.release(permit, 200)
     assert aimd.limit == 6  # never observed (e.g. no headers came): counted at their end
     await lim.close()
+
+
+async def test_a_waiter_that_leaves_while_or_as_it_is_granted_leaks_no_permit() -> None:
+    """The client leaves (its task is cancelled) before its permit comes, or in the loop turn
+    the dispatcher grants it: either way the slot goes to the next waiter, not lost."""
+    clock = ManualClock()
+    lim = Limiter(
+        "u", MemoryStore(clock), concurrency=AIMDLimit(1, maximum=1, clock=clock), clock=clock
+    )
+    loop = asyncio.get_running_loop()
+    held = await lim.acquire("k", 1, deadline=1)
+    for cancel_in_grant_step in (False, True):
+        leaving = asyncio.create_task(lim.acquire("k", 1, deadline=30))
+        staying = asyncio.create_task(lim.acquire("k", 1, deadline=30))
+        while lim.waiting < 2:
+            await asyncio.sleep(0)
+        if cancel_in_grant_step:
+            lim.release(held, 200)  # wakes the dispatcher, which grants `leaving` ...
+            loop.call_soon(leaving.cancel)  # ... in the turn this cancel runs in
+        else:
+            leaving.cancel()
+            await asyncio.sleep(0)
+            lim.release(held, 200)
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        held = await asyncio.wait_for(staying, 5)
+        assert lim.inflight == 1 and lim.waiting == 0
+    await lim.close()

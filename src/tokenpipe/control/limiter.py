@@ -14,6 +14,7 @@ at most its deadline (then 429 with Retry-After and x-ratelimit-* headers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -142,9 +143,12 @@ class Limiter:
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when
             # the caller is cancelled in the step the permit is granted, and the caller's
-            # cancellation (the client left) is lost.
+            # cancellation (the client left) is lost. No shield either: a cancel that finds
+            # the future pending cancels it (the dispatcher skips it), and one that comes
+            # after the grant leaves the permit in it, which the handlers below keep or
+            # release (a shield cost an outer future and two callbacks per waiter).
             async with asyncio.timeout(deadline):
-                permit = await asyncio.shield(waiter.future)
+                permit = await waiter.future
         except TimeoutError:
             if waiter.future.done() and not waiter.future.cancelled():
                 permit = waiter.future.result()  # granted as the deadline struck: keep it
@@ -219,10 +223,11 @@ class Limiter:
             w.future.set_result(self._grant(w.key, w.tokens, d))
 
     async def _nap(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self._wake.wait(), seconds)
-        except TimeoutError:
-            pass
+        # asyncio.timeout, not wait_for: on 3.11 wait_for wraps the wait in a task of its
+        # own, one per nap, and a cold burst naps once per answer (~1,000 times).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
 
     # -- learning and releasing ------------------------------------------------------------
 
