@@ -136,6 +136,21 @@ async def test_a_cold_burst_asks_once_for_the_windows_served_and_wakes_together(
             await upstream.close()
 
 
+async def test_the_model_check_and_the_window_discovery_share_one_models_request() -> None:
+    gate, asked = asyncio.Event(), list[str]()
+    async with serving(_models_app(gate, asked)) as url:
+        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"))
+        try:
+            served = asyncio.create_task(upstream.serves("m1"))
+            window = asyncio.create_task(WindowDiscovery().window(upstream, "m1"))
+            while not asked:
+                await asyncio.sleep(0)
+            gate.set()
+            assert await served and await window == 8192 and asked == ["/v1/models"]
+        finally:
+            await upstream.close()
+
+
 async def test_a_cold_burst_loads_a_models_token_counter_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -76,6 +76,7 @@ class HttpUpstream:
         self._models_failed_at = -MODELS_RETRY
         # One /models request at a time; a cold burst's requests await that one (flight.py).
         self._models_flight: SingleFlight[list[str] | None] = SingleFlight()
+        self._json_flight: SingleFlight[Any] = SingleFlight()  # keyed by timeout
         self._responses = ResponsesProbe(self._ask_responses)
 
     @property
@@ -157,7 +158,12 @@ class HttpUpstream:
             ) from None
 
     async def models_json(self, timeout: float = 5.0) -> Any:
-        """The upstream's own /models answer, parsed; None when it cannot say (logged)."""
+        """The upstream's own /models answer, parsed; None when it cannot say (logged).
+        Callers at the same time share one request: a cold burst's model check
+        (`listed_models`) and its context-window discovery each ask for the list."""
+        return await self._json_flight.do(timeout, lambda: self._ask_models(timeout))
+
+    async def _ask_models(self, timeout: float) -> Any:
         # Anthropic's list is paged (20 models by default): its largest page holds all.
         path = "/models?limit=1000" if self.settings.api == "anthropic" else "/models"
         head = self._head("GET", path, "") + b"\r\n"
