@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import statistics
 import urllib.request
@@ -283,7 +284,10 @@ def _print(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     itl = 1000.0 / args.tokens_per_second
-    sim_args = ("--ttft-ms", str(args.ttft_ms), "--itl-ms", f"{itl:g}")
+    sim_args: tuple[str, ...] = ("--ttft-ms", str(args.ttft_ms), "--itl-ms", f"{itl:g}")
+    if args.sim_max_active:
+        sim_args += ("--max-active", str(args.sim_max_active))
+    refused: dict[str, int] = {}
     targets: dict[str, str | None] = {"direct": None, "tokenpipe": str(ROOT / "src")}
     if args.base:
         targets["base"] = args.base
@@ -296,8 +300,10 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             pin(os.getpid(), 1)
         for r in range(args.rounds):
             for name, src in targets.items():
+                before = _sim_errors(sim)
                 with _target(name, sim, src, args) as (url, gw):
                     x = await _round(url, gw, args, metrics=name != RELAY)
+                refused[name] = refused.get(name, 0) + _sim_errors(sim) - before
                 rounds.setdefault(name, []).append(x)
                 kib = x.rss_kib_per_stream
                 mem = f", {kib:.1f} KiB/stream" if kib is not None else ""
@@ -307,10 +313,21 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                     flush=True,
                 )
         rows = [_summary(name, rs, rounds["direct"]) for name, rs in rounds.items()]
+        for row in rows:
+            row["upstream_refused"] = refused.get(row["target"], 0)
         _print(args, rows)
+        if args.sim_max_active:
+            for row in rows:
+                print(f"{row['target']}: the sim refused {row['upstream_refused']} requests")
         if args.profile:
             await _profile(sim, args)
     return {"rows": rows}
+
+
+def _sim_errors(sim: Service) -> int:
+    """Requests the sim has refused or failed so far (its /sim/stats outcomes)."""
+    with urllib.request.urlopen(sim.url + "/sim/stats", timeout=10) as r:
+        return int(json.loads(r.read())["outcomes"].get("error", 0))
 
 
 async def _profile(sim: Service, args: argparse.Namespace) -> None:
@@ -345,6 +362,12 @@ def main() -> None:
         "--pin", action="store_true", help="the gateway on CPU 0, the sim and the client on 1"
     )
     p.add_argument("--relay", action="store_true", help="+ the bare aiohttp relay as a target")
+    p.add_argument(
+        "--sim-max-active",
+        type=int,
+        metavar="N",
+        help="the sim refuses with 503 past N requests answering (an overloaded upstream)",
+    )
     p.add_argument("--profile", metavar="RAW", help="+ one burst under py-spy, stacks in RAW")
     p.add_argument("--json", default=str(ROOT / "results" / "burst.json"))
     args = p.parse_args()

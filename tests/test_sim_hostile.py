@@ -84,3 +84,27 @@ async def test_a_responses_request_with_broken_tools_is_a_400(sim: procs.Service
         http.post(sim.url + "/v1/responses", json=body) as r,
     ):
         assert r.status == 400, await r.text()
+
+
+async def test_a_sim_with_n_slots_refuses_the_next_request_while_n_answer() -> None:
+    """`--max-active 1`: while one stream answers, a chat request gets 503 and a Messages
+    request 529 (overloaded); once the stream ends, the next is served."""
+    chat = {"model": "sim-model", "stream": True, "max_tokens": 2000, "messages": []}
+    with procs.sim("--ttft-ms", "0", "--itl-ms", "5", "--max-active", "1") as s:
+        async with aiohttp.ClientSession() as http:
+            chat["messages"] = [{"role": "user", "content": "x"}]
+            async with http.post(f"{s.url}/v1/chat/completions", json=chat) as held:
+                assert held.status == 200 and await held.content.readline()  # answering
+                async with http.post(f"{s.url}/v1/chat/completions", json=chat) as r:
+                    assert r.status == 503
+                    assert (await r.json())["error"]["code"] == "overloaded"
+                messages = {"model": "sim-model", "max_tokens": 5, "messages": chat["messages"]}
+                async with http.post(f"{s.url}/v1/messages", json=messages) as r:
+                    assert r.status == 529
+                    assert (await r.json())["error"]["type"] == "overloaded_error"
+            async with asyncio.timeout(10):
+                while (await _stats(s.url))["active"]:
+                    await asyncio.sleep(0.01)
+            chat["max_tokens"] = 3
+            async with http.post(f"{s.url}/v1/chat/completions", json=chat) as r:
+                assert r.status == 200 and b"[DONE]" in await r.read()

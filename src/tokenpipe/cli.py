@@ -268,6 +268,13 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
     help="Depth of the RPM/TPM buckets, in seconds of refill.",
 )
 @click.option(
+    "--max-active",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Refuse a request with 503 (529 on /v1/messages) while this many answer: an "
+    "upstream with N slots that refuses rather than queues. [default: no cap]",
+)
+@click.option(
     "--fault",
     "fault_specs",
     multiple=True,
@@ -294,6 +301,7 @@ def sim(
     rpm: float | None,
     tpm: float | None,
     bucket_seconds: float,
+    max_active: int | None,
     fault_specs: tuple[str, ...],
     no_responses: bool,
 ) -> None:
@@ -331,6 +339,7 @@ def sim(
             rpm=rpm,
             tpm=tpm,
             bucket_seconds=bucket_seconds,
+            max_active=max_active,
             rated_faults=rated,
             responses=not no_responses,
         )

@@ -45,6 +45,11 @@ class Sim:
     def timing_for(self, request: web.Request, prompt_text: str) -> Timing:
         return request_timing(self.config.timing, self.dice.draw(), request.headers, prompt_text)
 
+    def full(self) -> bool:
+        """All `max_active` slots answer now: a new request is refused (503), not queued."""
+        cap = self.config.max_active
+        return cap is not None and self.active >= cap
+
     def record(self, rec: Record) -> None:
         self.records.append(rec)
 
@@ -169,6 +174,10 @@ class Sim:
         if fault is not None:
             rec.fault = fault.kind
         self.record(rec)
+        if self.full():  # refused before the buckets are charged
+            rec.status = 503
+            self.finish(rec, "error")
+            return rec, _error(503, "The server is overloaded.", code="overloaded"), {}
         wait, rl_headers = self.limits.admit(cost)
         if wait > 0:
             rec.status = 429

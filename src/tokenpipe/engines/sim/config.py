@@ -44,6 +44,10 @@ class SimConfig:
     #: Depth of the RPM/TPM buckets in seconds of refill (60: a full minute's allowance).
     bucket_seconds: float = 60.0
     rated_faults: list[tuple[Fault, float]] = field(default_factory=list)
+    #: Requests answering at once past which a new one is refused with 503 (529 on
+    #: Messages): an upstream with this many slots that refuses rather than queues. None:
+    #: no cap.
+    max_active: int | None = None
     #: Serve /v1/responses (off: a 404 there, like the many servers without that API).
     responses: bool = True
 

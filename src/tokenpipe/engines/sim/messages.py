@@ -37,6 +37,7 @@ class Sim(Protocol):
     limits: RateLimits
     active: int
 
+    def full(self) -> bool: ...
     def timing_for(self, request: web.Request, prompt_text: str) -> Timing: ...
     def record(self, rec: Record) -> None: ...
     def finish(self, rec: Record, outcome: str) -> None: ...
@@ -158,6 +159,10 @@ async def create(sim: Sim, request: web.Request, body: bytes) -> web.StreamRespo
     if fault is not None:
         rec.fault = fault.kind
     sim.record(rec)
+    if sim.full():  # Anthropic's overloaded_error
+        rec.status = 529
+        sim.finish(rec, "error")
+        return error(529, "Overloaded", {})
     wait, rl_headers = sim.limits.admit(input_tokens + max_tokens, anthropic=True)
     if wait > 0:
         rec.status = 429
