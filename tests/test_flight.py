@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import pytest
@@ -105,33 +105,31 @@ def _models_app(gate: asyncio.Event, asked: list[str]) -> web.Application:
     return app
 
 
-async def test_a_cold_burst_asks_the_upstream_for_its_models_once_and_wakes_together() -> None:
+def _serves(upstream: HttpUpstream) -> Callable[[], Coroutine[Any, Any, object]]:
+    return lambda: upstream.serves("m1")
+
+
+def _window(upstream: HttpUpstream) -> Callable[[], Coroutine[Any, Any, object]]:
+    found = WindowDiscovery()  # one, shared by the burst
+    return lambda: found.window(upstream, "m1")
+
+
+@pytest.mark.parametrize(("asker", "answer"), [(_serves, True), (_window, 8192)])
+async def test_a_cold_burst_asks_the_upstream_for_its_models_once_and_wakes_together(
+    asker: Callable[[HttpUpstream], Callable[[], Coroutine[Any, Any, object]]], answer: object
+) -> None:
+    """The model check (`serves`) and the window discovery: one /v1/models for the burst."""
     gate, asked = asyncio.Event(), list[str]()
     async with serving(_models_app(gate, asked)) as url:
         upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"))
+        ask = asker(upstream)
         try:
-            tasks = [asyncio.create_task(upstream.serves("m1")) for _ in range(BURST)]
+            tasks = [asyncio.create_task(ask()) for _ in range(BURST)]
             while not asked:  # the one request reached the upstream
                 await asyncio.sleep(0)
             gate.set()
             assert await _all_done_with_the_first(tasks)
-            assert all(t.result() for t in tasks) and asked == ["/v1/models"]
-        finally:
-            await upstream.close()
-
-
-async def test_a_cold_burst_asks_once_for_the_windows_served_and_wakes_together() -> None:
-    gate, asked = asyncio.Event(), list[str]()
-    async with serving(_models_app(gate, asked)) as url:
-        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"))
-        found = WindowDiscovery()
-        try:
-            tasks = [asyncio.create_task(found.window(upstream, "m1")) for _ in range(BURST)]
-            while not asked:
-                await asyncio.sleep(0)
-            gate.set()
-            assert await _all_done_with_the_first(tasks)
-            assert [t.result() for t in tasks] == [8192] * BURST and asked == ["/v1/models"]
+            assert [t.result() for t in tasks] == [answer] * BURST and asked == ["/v1/models"]
         finally:
             await upstream.close()
 
