@@ -37,6 +37,8 @@ MODELS_TTL = 60.0
 MODELS_RETRY = 10.0
 #: Largest /models answer read (bytes); a larger one counts as no answer.
 MAX_MODELS_BYTES = 4 * 1024 * 1024
+#: Seconds one /models request may take (past it: logged, None).
+MODELS_TIMEOUT = 5.0
 #: Largest answer to the /responses probe read (bytes): an error body; a larger one is left.
 MAX_PROBE_BYTES = 64 * 1024
 #: The error code of an upstream whose bytes are broken (HTTP/1.1, SSE or JSON): not retried.
@@ -74,9 +76,10 @@ class HttpUpstream:
         self._models: list[str] | None = None
         self._models_at = 0.0
         self._models_failed_at = -MODELS_RETRY
-        # One /models request at a time; a cold burst's requests await that one (flight.py).
+        # One /models request at a time, shared by its callers (flight.py); and over it one
+        # parse of the list into the model cache, so a burst's callers parse (and log) once.
+        self._json_flight: SingleFlight[Any] = SingleFlight()
         self._models_flight: SingleFlight[list[str] | None] = SingleFlight()
-        self._json_flight: SingleFlight[Any] = SingleFlight()  # keyed by timeout
         self._responses = ResponsesProbe(self._ask_responses)
 
     @property
@@ -157,19 +160,19 @@ class HttpUpstream:
                 code="upstream_unavailable",
             ) from None
 
-    async def models_json(self, timeout: float = 5.0) -> Any:
+    async def models_json(self) -> Any:
         """The upstream's own /models answer, parsed; None when it cannot say (logged).
         Callers at the same time share one request: a cold burst's model check
         (`listed_models`) and its context-window discovery each ask for the list."""
-        return await self._json_flight.do(timeout, lambda: self._ask_models(timeout))
+        return await self._json_flight.do(None, self._ask_models)
 
-    async def _ask_models(self, timeout: float) -> Any:
+    async def _ask_models(self) -> Any:
         # Anthropic's list is paged (20 models by default): its largest page holds all.
         path = "/models?limit=1000" if self.settings.api == "anthropic" else "/models"
         head = self._head("GET", path, "") + b"\r\n"
         try:
-            async with asyncio.timeout(timeout):
-                resp = await self.pool.request(head, b"", timeout)
+            async with asyncio.timeout(MODELS_TIMEOUT):
+                resp = await self.pool.request(head, b"", MODELS_TIMEOUT)
                 try:
                     if resp.status != 200:
                         return None
