@@ -76,3 +76,22 @@ def test_slow_start_leaves_an_idle_upstream_alone() -> None:
     for _ in range(100):
         a.sample(inflight=2, dropped=False)
     assert a.limit == 10
+
+
+def test_a_full_upstream_caps_the_limit_at_what_it_holds_and_growth_slows_to_one_a_round() -> None:
+    a = AIMDLimit(32, clock=ManualClock(), slow_start=True)
+    for _ in range(100):  # a cold burst doubles the limit round by round
+        a.sample(inflight=int(a.limit), dropped=False)
+    assert a.limit == 232
+    assert a.cap(200) == 200 and not a.slow_start  # refused while holding 200
+    assert a.cap(210) == 200  # a cap never raises the limit
+    for _ in range(200):  # one round of answers at the cap: one more slot, not 200
+        a.sample(inflight=200, dropped=False)
+    assert 200.9 < a.limit < 201.1
+    assert a.holds(205) == 205  # answers still on their way show it holds more
+    assert a.holds(100) == 205
+
+
+def test_holding_streams_raises_only_a_capped_limit() -> None:
+    a = AIMDLimit(10, clock=ManualClock())
+    assert a.holds(50) == 10  # no cap seen: the ordinary rule alone

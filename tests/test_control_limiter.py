@@ -205,3 +205,42 @@ async def test_a_waiter_that_leaves_while_or_as_it_is_granted_leaks_no_permit() 
         held = await asyncio.wait_for(staying, 5)
         assert lim.inflight == 1 and lim.waiting == 0
     await lim.close()
+
+
+async def test_a_503_while_others_stream_is_full_the_refused_waits_for_a_slot_first() -> None:
+    """The upstream accepted two and refuses the third: it is full at two. The refused request
+    waits for a slot again ahead of a newer one, and its release takes nothing more off."""
+    clock = ManualClock()
+    aimd = AIMDLimit(8, clock=clock)
+    lim = Limiter("u", MemoryStore(clock), concurrency=aimd, clock=clock, wall=lambda: 0.0)
+    streams = [await lim.acquire("k", 1, deadline=1) for _ in range(2)]
+    refused = await lim.acquire("k", 1, deadline=1)
+    for permit in streams:
+        await lim.observe(permit, 200, {})
+    assert lim.accepted == 2
+    assert await lim.observe(refused, 503, {})
+    lim.release(refused, 503)
+    assert aimd.limit == 2  # what it holds, not a further 0.9 of it
+    newer = asyncio.create_task(lim.acquire("k", 1, deadline=30))
+    while not lim.waiting:
+        await asyncio.sleep(0)
+    again = asyncio.create_task(lim.acquire("k", 1, deadline=30, front=True))
+    while lim.waiting < 2:
+        await asyncio.sleep(0)
+    lim.release(streams[0], 200)  # one stream ends: one slot
+    retried = await asyncio.wait_for(again, 5)
+    assert not newer.done() and lim.accepted == 1
+    lim.release(retried, 200)
+    await asyncio.wait_for(newer, 5)
+    await lim.close()
+
+
+async def test_a_503_from_an_upstream_holding_nothing_is_a_failure_not_full() -> None:
+    clock = ManualClock()
+    aimd = AIMDLimit(8, clock=clock)
+    lim = Limiter("u", MemoryStore(clock), concurrency=aimd, clock=clock, wall=lambda: 0.0)
+    permit = await lim.acquire("k", 1, deadline=1)
+    assert not await lim.observe(permit, 503, {})
+    lim.release(permit, 503)
+    assert aimd.limit == 8 * 0.9 and not aimd.capped  # the ordinary drop
+    await lim.close()

@@ -22,6 +22,17 @@ its window; the half-in-use rule still bounds the limit to about twice what is i
 The first drop ends it, and the limit falls by half, the last round's doubling, but not
 below the plain decrease of the initial limit (a drop before any growth costs what it did
 without slow start).
+
+A full upstream (`cap`): a 503 or 529 refusal while the upstream holds streams it accepted
+says how many it can hold, so the limit falls to that count at once (not below the minimum)
+and slow start ends; the drop then takes its share as usual. Without it a cold burst grows
+the limit past an upstream's fixed slots within one round and every request sent above them
+is refused until the multiplicative decreases (one per `cooldown`) catch up. Once capped, a
+success adds 1/limit, not 1: the limit probes one slot per round of answers (TCP's
+congestion avoidance). With +1 a full upstream's every stream end grew the limit past its
+slots again, and a 1,000-stream burst on 200 slots was refused 710 times (burst.py
+--sim-max-active 200). A cap is a lower bound: the answers of requests still on their way
+may show the upstream holding more (`holds`), and then the limit rises to that at once.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ class AIMDLimit:
     __slots__ = (
         "_last_drop",
         "backoff",
+        "capped",
         "clock",
         "cooldown",
         "initial",
@@ -62,6 +74,7 @@ class AIMDLimit:
         self.clock = clock
         self.slow_start = slow_start  # until the first drop (module doc)
         self._last_drop = -float("inf")
+        self.capped = False  # a full upstream was seen: growth is one per round (`cap`)
 
     def sample(self, inflight: int, dropped: bool) -> float:
         """Records one finished request (`inflight`: how many were in flight at its start)."""
@@ -75,7 +88,22 @@ class AIMDLimit:
                     kept = min(kept, max(self.limit / 2, self.initial * self.backoff))
                 self.limit = max(self.minimum, kept)
         elif inflight * 2 >= self.limit:
-            self.limit = min(self.maximum, self.limit + (2.0 if self.slow_start else 1.0))
+            step = 2.0 if self.slow_start else 1.0 / self.limit if self.capped else 1.0
+            self.limit = min(self.maximum, self.limit + step)
+        return self.limit
+
+    def cap(self, accepted: int) -> float:
+        """The upstream refused a request while holding `accepted` others: it is full there."""
+        self.slow_start = False
+        self.capped = True
+        self.limit = max(self.minimum, min(self.limit, float(accepted)))
+        return self.limit
+
+    def holds(self, accepted: int) -> float:
+        """The upstream answered 200 while holding `accepted` streams: once capped, the
+        limit is at least that (it can take them)."""
+        if self.capped and accepted > self.limit:
+            self.limit = min(self.maximum, float(accepted))
         return self.limit
 
     def allows(self, inflight: int) -> bool:

@@ -38,6 +38,8 @@ _clamp_log = ClampLog(log)
 #: Statuses that mean "send less": they shrink the concurrency limit (529: Anthropic's
 #: overloaded_error, its 503).
 DROP_STATUSES = frozenset({429, 503, 504, 529})
+#: Refusals that, while the upstream holds accepted streams, mean "full" (AIMDLimit.cap).
+FULL_STATUSES = frozenset({503, 529})
 #: Pause after a 429 that named no retry time (seconds).
 DEFAULT_RETRY = 1.0
 #: Longest Retry-After we tell a client (seconds): an estimate beyond it is not worth more.
@@ -63,6 +65,9 @@ class Permit:
     released: bool = False
     #: The upstream's 200 already counted as a success for the concurrency limit.
     grew: bool = False
+    #: Refused by a full upstream: the limit was cut to what it holds (`observe`), which is
+    #: what it can take, so the release takes no multiplicative share off that as well.
+    full: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -96,6 +101,9 @@ class Limiter:
         self.max_waiting = max_waiting
         self.wall = wall
         self.inflight = 0
+        #: Permits the upstream answered 200 and that are not released yet (a subset of
+        #: `inflight`, counted only with a concurrency limit): what it holds when it refuses.
+        self.accepted = 0
         #: Seconds a permit is held, smoothed (EWMA, 0.2 per release): with the concurrency
         #: limit and the queue it gives the expected wait a 429 tells the client.
         self._held = 0.0
@@ -125,8 +133,12 @@ class Limiter:
         self.inflight += 1
         return Permit(self, key, tokens, d, self.inflight, self.clock.now())
 
-    async def acquire(self, key: str, tokens: float, deadline: float) -> Permit:
-        """Waits up to `deadline` seconds for capacity; past it raises a 429 GatewayError."""
+    async def acquire(
+        self, key: str, tokens: float, deadline: float, front: bool = False
+    ) -> Permit:
+        """Waits up to `deadline` seconds for capacity; past it raises a 429 GatewayError.
+        `front`: the request was refused as the upstream filled up (`observe`), and waits at
+        the head of its key's queue, the place it had."""
         start = self.clock.now()
         if not self._waiting and self._concurrency_ok():
             d = await self.store.reserve(self.scope, self.limits, tokens)
@@ -139,7 +151,7 @@ class Limiter:
         if self._waiting >= self.max_waiting:
             raise self._too_busy(f"{self._waiting} requests are already waiting")
         waiter = _Waiter(key, tokens, asyncio.get_running_loop().create_future())
-        self._enqueue(waiter)
+        self._enqueue(waiter, front)
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when
             # the caller is cancelled in the step the permit is granted, and the caller's
@@ -167,12 +179,15 @@ class Limiter:
         self._m_wait.observe(self.clock.now() - start)
         return permit
 
-    def _enqueue(self, w: _Waiter) -> None:
+    def _enqueue(self, w: _Waiter, front: bool = False) -> None:
         q = self._queues.get(w.key)
         if q is None:
             q = self._queues[w.key] = deque()
             self._turns.append(w.key)
-        q.append(w)
+        if front:
+            q.appendleft(w)
+        else:
+            q.append(w)
         self._waiting += 1
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._dispatch())
@@ -231,8 +246,11 @@ class Limiter:
 
     # -- learning and releasing ------------------------------------------------------------
 
-    async def observe(self, permit: Permit, status: int, headers: Mapping[str, str]) -> None:
-        """The upstream answered `permit`'s request: learn its limits and any pause."""
+    async def observe(self, permit: Permit, status: int, headers: Mapping[str, str]) -> bool:
+        """The upstream answered `permit`'s request: learn its limits and any pause. True:
+        the answer is a refusal from an upstream that is full, not failing (a 503 or 529
+        while it holds streams it accepted): the limit falls to what it holds, and the
+        request may wait for a slot again (router/attempt.py)."""
         info = (
             ratelimit_headers.parse(headers, self.wall())
             if self.learn_enabled or status == 429
@@ -265,14 +283,21 @@ class Limiter:
             # A success as soon as the upstream accepts (headers), not when the stream ends:
             # a burst above the limit then waits for the first answers, not for whole streams.
             permit.grew = True
+            self.accepted += 1
             self.concurrency.sample(permit.inflight_at_start, False)
+            self.concurrency.holds(self.accepted)
             self._m_conc.set(self.concurrency.limit)
+        full = status in FULL_STATUSES and self.concurrency is not None and self.accepted > 0
+        if full and self.concurrency is not None:
+            permit.full = True
+            self._m_conc.set(self.concurrency.cap(self.accepted))
         if status == 429:
             self._m_429.inc()
             retry = info.retry_after if info and info.retry_after is not None else DEFAULT_RETRY
             log.info("upstream %s answered 429: pausing it for %.3g s", self.name, retry)
             await self.store.pause(self.scope, retry)
         self._wake.set()
+        return full
 
     def release(
         self,
@@ -287,13 +312,15 @@ class Limiter:
             return
         permit.released = True
         self.inflight -= 1  # first: the slot comes back whatever the bookkeeping below does
+        if permit.grew:
+            self.accepted -= 1
         self._held = 0.8 * self._held + 0.2 * max(0.0, self.clock.now() - permit.granted_at)
         try:
             if not sent:
                 self.store.give(self.scope, self.limits, 1.0, permit.tokens)
             elif charged_tokens is not None and charged_tokens != permit.tokens:
                 self.store.give(self.scope, self.limits, 0.0, permit.tokens - charged_tokens)
-            if self.concurrency is not None and status is not None:
+            if self.concurrency is not None and status is not None and not permit.full:
                 dropped = status in DROP_STATUSES
                 if dropped or not permit.grew:
                     self.concurrency.sample(permit.inflight_at_start, dropped)

@@ -149,9 +149,10 @@ class Ticket:
         self.scope = scope
         self.deadline = traffic.clock.now() + traffic.settings.queue_deadline_seconds
 
-    async def acquire(self, upstream: str) -> None:
+    async def acquire(self, upstream: str, front: bool = False) -> None:
         """Waits for capacity at `upstream`: 429 past the queue deadline, the scope's 504 when
-        the request's own deadline ends the wait first."""
+        the request's own deadline ends the wait first. `front`: at the head of the queue (a
+        request the full upstream refused, waiting again: `arrived`)."""
         self._release(None, sent=False)  # a permit from an earlier upstream was not used
         limiter = self.traffic.limiters.get(upstream)
         if limiter is None:
@@ -162,17 +163,19 @@ class Ticket:
         if scoped:
             left = scope.left()
         try:
-            self.permit = await limiter.acquire(self.key, self.cost.tokens, max(0.001, left))
+            self.permit = await limiter.acquire(self.key, self.cost.tokens, max(0.001, left), front)
         except GatewayError as e:
             if scoped and e.status == 429 and scope.passed():
                 raise scope.error(True, "queued for upstream capacity") from None
             raise
 
-    async def arrived(self, status: int, headers: Mapping[str, str]) -> None:
-        """The upstream answered (headers only): learn from them."""
+    async def arrived(self, status: int, headers: Mapping[str, str]) -> bool:
+        """The upstream answered (headers only): learn from them. True: it refused because it
+        is full (Limiter.observe), and the request may wait for a slot again."""
         self.status = status
-        if self.permit is not None:
-            await self.permit.limiter.observe(self.permit, status, headers)
+        if self.permit is None:
+            return False
+        return await self.permit.limiter.observe(self.permit, status, headers)
 
     def failed(self, status: int | None) -> None:
         """Sending failed before any answer: 502 never reached it, 504 may have. None: it

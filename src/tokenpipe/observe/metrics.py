@@ -246,8 +246,9 @@ RECOVERY_RECORD_DROPPED = Counter(
 # -- tail-latency control (router/, control/deadline, budget, breaker) ----------------------
 RETRIES = Counter(
     "tokenpipe_retries",
-    "Upstream requests sent again, by reason (connect, status_5xx, status_429, ttft_deadline, "
-    "midstream) and by what happened (retried, no_budget).",
+    "Upstream requests sent again, by reason (connect, status_5xx, status_429, full, "
+    "ttft_deadline, midstream) and by what happened (retried, no_budget, requeued: a full "
+    "upstream's refusal waiting for a slot again, outside the budget).",
     ("reason", "outcome"),
     registry=REGISTRY,
 )

@@ -16,7 +16,17 @@ from yarl import URL
 
 #: Attempt outcomes that are failures: the span's status is ERROR, `error.type` the outcome.
 FAILED = frozenset(
-    {"connect", "status_429", "status_5xx", "ttft_deadline", "deadline", "broken", "cut", "stalled"}
+    {
+        "connect",
+        "status_429",
+        "status_5xx",
+        "full",
+        "ttft_deadline",
+        "deadline",
+        "broken",
+        "cut",
+        "stalled",
+    }
 )
 
 

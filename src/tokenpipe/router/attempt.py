@@ -15,7 +15,7 @@ from tokenpipe.control.deadline import Scope
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.dialects import Dialect
 from tokenpipe.errors import GatewayError
-from tokenpipe.observe import tracing
+from tokenpipe.observe import metrics, tracing
 from tokenpipe.router.policy import Policy, prompt_class, retry_after
 from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
 from tokenpipe.upstream.h1 import UpstreamResponse
@@ -26,6 +26,12 @@ from tokenpipe.upstream.http import PROTOCOL_ERROR, HttpUpstream
 PREFIX_LIMIT = 64 * 1024
 #: The upstream's bytes are broken (SSE/JSON, HTTP/1.1 framing): reported, never retried.
 BROKEN_BYTES = (sse.SSEProtocolError, UpstreamProtocolError)
+#: Times one request may wait for a slot again after a full upstream refused it (reason
+#: "full": a 503/529 while it holds accepted streams, Limiter.observe). Each wait lasts until
+#: the limiter, its limit cut to what the upstream holds, sees a slot free (a stream end),
+#: so these sends do not spend the retry budget; past the bound a refusal is retried as any
+#: 5xx (the budget decides), which bounds what a shared upstream that stays full is sent.
+MAX_REQUEUES = 8
 
 
 class Request:
@@ -161,15 +167,17 @@ async def send(
     *,
     first_token: bool,
     deadline: float | None,
+    front: bool = False,
 ) -> Attempt:
-    """Waits for limiter capacity, sends, and waits for the headers (`first_token`: and for
-    the first token of a 200 stream), within `deadline` capped by the request's scope.
-    Never raises except on cancellation (then the attempt closes what it opened)."""
+    """Waits for limiter capacity (`front`: at the head of the queue), sends, and waits for
+    the headers (`first_token`: and for the first token of a 200 stream), within `deadline`
+    capped by the request's scope. Never raises except on cancellation (then the attempt
+    closes what it opened)."""
     scope = req.scope
     name = a.upstream.name
     queued = req.trace.queue(name)
     try:
-        await a.ticket.acquire(name)  # within the queue deadline and the scope
+        await a.ticket.acquire(name, front)  # within the queue deadline and the scope
     except BaseException as e:
         queued.fail(e)
         if not isinstance(e, GatewayError):
@@ -201,12 +209,14 @@ async def send(
                 return a
             a.resp = resp
             a.span.status(resp.status)
-            await a.ticket.arrived(resp.status, resp.headers)
+            full = await a.ticket.arrived(resp.status, resp.headers)
             if resp.status == 429 or resp.status >= 500:
                 a.reason = "status_429" if resp.status == 429 else "status_5xx"
-                a.span.mark(a.reason)
-                if resp.status != 429:  # a 429 is the limiter's business, not health
+                if full:
+                    a.reason = "full"
+                elif resp.status != 429:  # a 429, a full upstream: the limiter's business
                     policy.unhealthy(name)
+                a.span.mark(a.reason)
                 return a
             if resp.status == 200 and first_token:
                 await _first_token(a, resp, req.dialect)
@@ -311,15 +321,19 @@ async def until_answered(
     budget. The loop stops at an answer, at a failure no retry would change (no limiter
     capacity, broken bytes, the scope passed) and when the model's only upstream answered 429
     asking for a longer pause than `retries.max_429_wait_seconds` (the client decides). A retry
-    to the upstream that just failed waits a jittered backoff first (within the scope).
+    to the upstream that just failed waits a jittered backoff first (within the scope). A
+    refusal from a full upstream is sent again without a try or the budget, at the head of
+    the limiter's queue, up to MAX_REQUEUES times (the limiter, not a backoff, paces it).
     `avoid`: an upstream that failed before this loop (the stream's own, for a retry or a
     continuation)."""
     retries = policy.settings.retries
     last: Attempt | None = None
     order: list[HttpUpstream] = []
     failed: list[str] = [avoid] if avoid is not None else []  # least recent first
+    requeues = 0
     try:
         while True:
+            full = False
             if last is not None:
                 if last.fatal is not None or last.reason == "deadline":
                     return last
@@ -331,11 +345,17 @@ async def until_answered(
                 ):
                     return last  # the only upstream asks for a long pause: the client decides
                 reason = last.reason or "connect"
+                full = reason == "full" and requeues < MAX_REQUEUES
                 name = last.upstream.name
                 if name in failed:
                     failed.remove(name)
                 failed.append(name)
-            if reason is not None and (  # this send is a retry
+            if full:  # waits for a slot again: not a try, not the budget's
+                if req.scope.passed():
+                    return last
+                requeues += 1
+                metrics.RETRIES.labels("full", "requeued").inc()
+            elif reason is not None and (  # this send is a retry
                 req.scope.passed()
                 or not policy.may_retry(tries.used, tries.limit, reason, tries.label)
             ):
@@ -349,13 +369,13 @@ async def until_answered(
             if last is not None:
                 last.discard(last.resp.status if last.resp is not None else 502)
                 last = None
-            if reason is not None and failed and target.name == failed[-1]:
+            if reason is not None and not full and failed and target.name == failed[-1]:
                 # The upstream that just failed, again: back off first (within the scope).
                 pause = backoff(
                     tries.used, retries.backoff_base_seconds, retries.backoff_cap_seconds
                 )
                 await asyncio.sleep(min(pause, req.scope.left()))
-            tries.used += 1
+            tries.used += 0 if full else 1
             # The first send of the request, a retry, or a continuation (a loop of its own).
             role = "first" if reason is None else "retry"
             if tries.label == "midstream":
@@ -367,6 +387,7 @@ async def until_answered(
                 body,
                 first_token=first_token,
                 deadline=deadline_for(policy, req, target),
+                front=full,
             )
             if a.ok:
                 return a
