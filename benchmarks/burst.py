@@ -6,6 +6,7 @@ limit starts at `limits.initial_concurrency`, 32).
     python benchmarks/burst.py --base ../base/src    # + a gateway of another checkout
     python benchmarks/burst.py --relay               # + the bare aiohttp relay (the floor)
     python benchmarks/burst.py --pin --relay         # each hop a core of its own
+    python benchmarks/burst.py --sim-max-active 200  # a sim with 200 slots, refusing past them
     python benchmarks/burst.py --workers 2           # serve --workers 2 (both gateways)
     python benchmarks/burst.py --upstream-host localhost   # the sim by name: DNS per connect
     python benchmarks/burst.py --rounds 1 --profile results/burst_profile.txt
