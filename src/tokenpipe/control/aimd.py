@@ -25,7 +25,8 @@ without slow start).
 
 A full upstream (`cap`): a 503 or 529 refusal while the upstream holds streams it accepted
 says how many it can hold, so the limit falls to that count at once (not below the minimum)
-and slow start ends; the drop then takes its share as usual. Without it a cold burst grows
+and slow start ends; no multiplicative drop is taken off that count (the limiter does not
+sample the refused request: the cap is the measurement). Without it a cold burst grows
 the limit past an upstream's fixed slots within one round and every request sent above them
 is refused until the multiplicative decreases (one per `cooldown`) catch up. Once capped, a
 success adds 1/limit, not 1: the limit probes one slot per round of answers (TCP's
@@ -88,7 +89,7 @@ class AIMDLimit:
                     kept = min(kept, max(self.limit / 2, self.initial * self.backoff))
                 self.limit = max(self.minimum, kept)
         elif inflight * 2 >= self.limit:
-            step = 2.0 if self.slow_start else 1.0 / self.limit if self.capped else 1.0
+            step = 2.0 if self.slow_start else (1.0 / self.limit if self.capped else 1.0)
             self.limit = min(self.maximum, self.limit + step)
         return self.limit
 

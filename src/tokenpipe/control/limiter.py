@@ -287,9 +287,9 @@ class Limiter:
             self.concurrency.sample(permit.inflight_at_start, False)
             self.concurrency.holds(self.accepted)
             self._m_conc.set(self.concurrency.limit)
-        full = status in FULL_STATUSES and self.concurrency is not None and self.accepted > 0
-        if full and self.concurrency is not None:
-            permit.full = True
+        full = False
+        if status in FULL_STATUSES and self.concurrency is not None and self.accepted > 0:
+            full = permit.full = True
             self._m_conc.set(self.concurrency.cap(self.accepted))
         if status == 429:
             self._m_429.inc()

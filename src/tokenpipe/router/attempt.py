@@ -375,7 +375,8 @@ async def until_answered(
                     tries.used, retries.backoff_base_seconds, retries.backoff_cap_seconds
                 )
                 await asyncio.sleep(min(pause, req.scope.left()))
-            tries.used += 0 if full else 1
+            if not full:
+                tries.used += 1
             # The first send of the request, a retry, or a continuation (a loop of its own).
             role = "first" if reason is None else "retry"
             if tries.label == "midstream":
