@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from _common import ROOT, bare_relay, cpu_seconds, gateway, write_json
+from _common import ROOT, bare_relay, cpu_seconds, gateway, pin, write_json
 
 from tokenpipe.bench.procs import Service, sim
 from tokenpipe.bench.stream import server_timing
@@ -115,6 +115,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     try:
         servers["tokenpipe"] = gateway(upstream.url)
         servers["bare relay"] = bare_relay(upstream.url)
+        if args.pin:  # each gateway on CPU 0 (every thread); the sim and this client on 1
+            for svc in (servers["tokenpipe"], servers["bare relay"]):
+                pin(svc.pid, 0)
+            pin(upstream.pid, 1)
+            pin(os.getpid(), 1)
         body = _body(args.tokens)
         urls = {name: (svc or upstream).url for name, svc in servers.items()}
         clients = {name: Client(url, body) for name, url in urls.items()}
@@ -179,6 +184,9 @@ def main() -> None:
     p.add_argument("--gap-ms", type=float, default=10.0, help="idle between two requests")
     p.add_argument("--ttft-ms", type=float, default=20.0, help="the sim's first token")
     p.add_argument("--tokens", type=int, default=4, help="max_tokens of each request")
+    p.add_argument(
+        "--pin", action="store_true", help="the gateways on CPU 0, the sim and the client on 1"
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "c1_anatomy.json"))
     args = p.parse_args()
     result = _measure(args)

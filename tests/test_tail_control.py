@@ -221,3 +221,28 @@ def test_the_deadline_gauge_shows_each_new_hedge_delay() -> None:
     assert learned == pytest.approx(0.105, rel=0.02) and shown() == learned
     # Unchanged: not set again, still shown.
     assert tail.hedge_delay("gauged", "gauged-model", 0) == shown() == learned
+
+
+def test_a_deadline_read_again_follows_each_refresh_of_its_estimate() -> None:
+    """The policy keeps a deadline while its estimate's merged view is the same (it is read
+    three times a request); a refreshed view, with new values in it, gives a new deadline."""
+    from tokenpipe.router import Router
+    from tokenpipe.router.policy import Policy
+    from tokenpipe.settings import TailSettings
+
+    clock = ManualClock()
+    tail = Policy(TailSettings(), Router([]), clock)
+    initial = tail.ttft_deadline("u", "m", 0)
+    stall_initial = tail.stall_deadline("u", "m")
+    for _ in range(100):
+        tail.ttft_estimate("u", "m", 0).add(2.0)
+        tail.gap_estimate("u", "m").add(3.0)
+    clock.advance(1)  # past the estimates' refresh (0.25 s)
+    learned = tail.ttft_deadline("u", "m", 0)
+    assert learned != initial and learned == pytest.approx(3.0, rel=0.02)  # 1.5 x p99
+    assert tail.stall_deadline("u", "m") != stall_initial
+    for _ in range(1000):
+        tail.ttft_estimate("u", "m", 0).add(4.0)
+    assert tail.ttft_deadline("u", "m", 0) == learned  # the same view: the same deadline
+    clock.advance(1)
+    assert tail.ttft_deadline("u", "m", 0) == pytest.approx(6.0, rel=0.02)  # the new view

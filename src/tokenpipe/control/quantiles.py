@@ -61,7 +61,7 @@ class RollingQuantiles:
 
     def _merged(self) -> DDSketch | None:
         now = self._clock.now()
-        if self._cache is not None and now - self._cache_at < self.refresh:
+        if now - self._cache_at < self.refresh:  # an empty view (None) is kept as long
             return self._cache
         self._expire(int(now // self._width))
         if not self._slices:
@@ -74,6 +74,12 @@ class RollingQuantiles:
         self._memo.clear()
         self._cache_at = now
         return self._cache
+
+    def view(self) -> float:
+        """When the merged view that `count` and `quantile` read was taken (refreshed here
+        when stale): a value derived from them holds while this returns the same."""
+        self._merged()
+        return self._cache_at
 
     @property
     def count(self) -> int:
