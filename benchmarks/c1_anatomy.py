@@ -7,6 +7,7 @@ paced load, and a loopback TCP round trip between two processes (the wake-ups a 
 
     python benchmarks/c1_anatomy.py                      # ~1 min; JSON in results/
     python benchmarks/c1_anatomy.py --rounds 5 --requests 200 --gap-ms 10
+    python benchmarks/c1_anatomy.py --pin                # each gateway alone on CPU 0
 
 The sim sends its head and role chunk at once and the first content token `--ttft-ms`
 later; tokenpipe holds its head until the role chunk is there, so its "head" is the role
