@@ -114,10 +114,10 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     upstream = sim("--ttft-ms", str(args.ttft_ms), "--itl-ms", "20")
     servers: dict[str, Service | None] = {"direct": None}
     try:
-        servers["tokenpipe"] = gateway(upstream.url)
-        servers["bare relay"] = bare_relay(upstream.url)
+        servers["tokenpipe"] = hop = gateway(upstream.url)
+        servers["bare relay"] = relay = bare_relay(upstream.url)
         if args.pin:  # each gateway on CPU 0 (every thread); the sim and this client on 1
-            for svc in (servers["tokenpipe"], servers["bare relay"]):
+            for svc in (hop, relay):
                 pin(svc.pid, 0)
             pin(upstream.pid, 1)
             pin(os.getpid(), 1)
