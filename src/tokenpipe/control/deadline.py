@@ -12,7 +12,8 @@ from tokenpipe.control.quantiles import RollingQuantiles
 from tokenpipe.errors import GatewayError
 
 
-@dataclass(frozen=True, slots=True)
+# eq=False: hashed by identity (C speed), as the key of its value in an estimate's memo.
+@dataclass(frozen=True, slots=True, eq=False)
 class AdaptiveDeadline:
     k: float = 1.5  # multiple of the quantile
     quantile: float = 0.99
@@ -22,7 +23,12 @@ class AdaptiveDeadline:
     min_samples: int = 20
 
     def value(self, est: RollingQuantiles | None) -> float:
-        if est is None or est.count < self.min_samples:
+        if est is None:
+            return self.initial
+        return est.derived(self, self._of)  # once per refresh of the estimate's view
+
+    def _of(self, est: RollingQuantiles) -> float:
+        if est.count < self.min_samples:
             return self.initial
         q = est.quantile(self.quantile)
         if q is None:

@@ -9,6 +9,8 @@ quantiles are read per request.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+
 from ddsketch import DDSketch
 
 from tokenpipe.clock import MONOTONIC, Clock
@@ -43,7 +45,9 @@ class RollingQuantiles:
         self._slices_max = slices
         self._cache: DDSketch | None = None
         self._cache_at = -1e18
-        self._memo: dict[float, float | None] = {}  # quantiles of the cached merged view
+        # What was read from the cached merged view: quantiles by q, and values derived from
+        # them by their key (`derived`). Cleared at each refresh; a few entries.
+        self._memo: dict[Hashable, float | None] = {}
         self.refresh = refresh  # seconds a merged view is reused
 
     def add(self, value: float) -> None:
@@ -75,11 +79,15 @@ class RollingQuantiles:
         self._cache_at = now
         return self._cache
 
-    def view(self) -> float:
-        """When the merged view that `count` and `quantile` read was taken (refreshed here
-        when stale): a value derived from them holds while this returns the same."""
+    def derived(self, key: Hashable, compute: Callable[[RollingQuantiles], float]) -> float:
+        """`compute(self)`, kept under `key` until the merged view is refreshed (a deadline
+        drawn from the quantiles is read several times a request, and changes only then)."""
         self._merged()
-        return self._cache_at
+        memo = self._memo
+        value = memo.get(key)
+        if value is None:
+            memo[key] = value = compute(self)
+        return value
 
     @property
     def count(self) -> int:

@@ -71,11 +71,6 @@ class Policy:
         self._censored: dict[tuple[str, str, int], RollingQuantiles] = {}
         # (kind, upstream, model) -> the deadline gauge's value as last set.
         self._deadlines_shown: dict[tuple[str, str, str], float] = {}
-        # estimator -> (its deadline, the estimator's view it came from): a deadline changes
-        # only when its estimate's merged view is refreshed (0.25 s), and a request reads
-        # the TTFT deadline twice and the stall deadline once (6 calls each, not 14).
-        # Bound: one entry per live estimator (cleared with them, below).
-        self._deadlines: dict[RollingQuantiles, tuple[float, float]] = {}
 
     # -- estimates and deadlines ------------------------------------------------------------
 
@@ -83,7 +78,7 @@ class Policy:
         est = table.get(key)
         if est is None:
             if len(table) >= MAX_ESTIMATORS:
-                self._deadlines.pop(table.pop(next(iter(table))), None)
+                del table[next(iter(table))]
             est = table[key] = RollingQuantiles(self.settings.window_seconds, clock=self.clock)
         return est
 
@@ -96,25 +91,15 @@ class Policy:
     def ttft_deadline(self, upstream: str, model: str, cls: int) -> float | None:
         if not self.settings.deadlines:
             return None
-        est = self._est(self._ttft, (upstream, model, cls))
-        return self._deadline(est, self.ttft_rule, "ttft", upstream, model)
+        value = self.ttft_rule.value(self.ttft_estimate(upstream, model, cls))
+        self._show_deadline("ttft", upstream, model, value)
+        return value
 
     def stall_deadline(self, upstream: str, model: str) -> float | None:
         if not self.settings.deadlines:
             return None
-        est = self._est(self._gap, (upstream, model))
-        return self._deadline(est, self.stall_rule, "stall", upstream, model)
-
-    def _deadline(
-        self, est: RollingQuantiles, rule: AdaptiveDeadline, kind: str, upstream: str, model: str
-    ) -> float:
-        view = est.view()
-        known = self._deadlines.get(est)
-        if known is not None and known[1] == view:
-            return known[0]
-        value = rule.value(est)
-        self._deadlines[est] = (value, view)
-        self._show_deadline(kind, upstream, model, value)
+        value = self.stall_rule.value(self.gap_estimate(upstream, model))
+        self._show_deadline("stall", upstream, model, value)
         return value
 
     def censored(self, upstream: str, model: str, cls: int) -> None:
