@@ -61,3 +61,19 @@ def test_giving_back_an_unused_reservation_frees_it_at_once() -> None:
     assert s.reserve_now("up:a", one, 0).wait > 0
     s.give("up:a", one, 1.0, 0.0)
     assert s.reserve_now("up:a", one, 0).wait == 0.0
+
+
+def test_new_limits_for_a_scope_refit_its_buckets_at_once() -> None:
+    # The buckets are fitted once per Limits object (a scope's limits are the same object
+    # from one request to the next); a new object, learned or configured, applies at once.
+    clock = ManualClock()
+    s = MemoryStore(clock)
+    one = Limits(requests=Spec(rate=0.001, capacity=1))
+    assert s.reserve_now("up:a", one, 0).wait == 0.0
+    assert s.reserve_now("up:a", one, 0).wait > 0  # the same object: the bucket is spent
+    faster = Limits(requests=Spec(rate=10, capacity=1))
+    assert s.reserve_now("up:a", faster, 0).wait > 0  # still spent (configure keeps levels)
+    clock.advance(0.1)  # one request at 10/s (at 0.001/s it would take 1,000 s)
+    assert s.reserve_now("up:a", faster, 0).wait == 0.0
+    assert s.reserve_now("up:a", Limits(), 0).wait == 0.0  # unlimited now: never waits
+    assert s.reserve_now("up:a", one, 0).wait == 0.0  # a new bucket, full

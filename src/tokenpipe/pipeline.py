@@ -10,6 +10,7 @@ and get a `Call` back: the upstream's answer, read whole (`read_whole`) or relay
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -183,6 +184,7 @@ class Gateway:
         native = dialect or DIALECTS[kind]
         dialect = await self._dialect(native, req.model, obj)
         strip_usage = False
+        upstreams = None
         if req.stream:
             changed = dialect.strip_extensions(obj) or changed
             if not dialect.wants_usage(obj):
@@ -208,6 +210,7 @@ class Gateway:
             prompt_tokens=ticket.cost.prompt,
             pace=pace,
             trace=trace,
+            upstreams=upstreams,
         )
         timing.prepared = now()
         clock = self.policy.clock  # the router's: its send time is on it
@@ -227,7 +230,7 @@ class Gateway:
 
 async def _within(scope: Scope, step: Awaitable[T], where: str) -> T:
     """Awaits `step` within the request's scope: past it, the scope's 504."""
-    if not scope.bounded:
+    if scope.at == math.inf:  # unbounded (`scope.bounded`, without its call)
         return await step
     try:
         with Timeout(scope.left()):

@@ -34,13 +34,16 @@ def clean(usage: object, upstream: str = "?") -> dict[str, Any] | None:
     if not isinstance(usage, Mapping) or not usage:
         return None
     out = dict(usage)
+    counted = False
     for name in COUNTS:
         if name not in out:
             continue
         value = out[name]
-        if value is None:
+        if type(value) is int and 0 <= value <= MAX_COUNT:
+            counted = True
+        elif value is None:
             del out[name]
-        elif type(value) is not int or not 0 <= value <= MAX_COUNT:
+        else:
             del out[name]
             log.warning(
                 "upstream %s sent usage.%s = %.40r (not a count in 0..%d): ignored",
@@ -49,6 +52,4 @@ def clean(usage: object, upstream: str = "?") -> dict[str, Any] | None:
                 value,
                 MAX_COUNT,
             )
-    if not any(name in out for name in COUNTS):
-        return None
-    return out
+    return out if counted else None

@@ -35,7 +35,9 @@ MAX_CHOICES = 128
 
 def _count(value: Any, bound: float) -> int | None:
     """A token count: an int (or an integral float, as JSON may spell it) in [0, bound]."""
-    if isinstance(value, bool):
+    if type(value) is int:  # the usual case first (bool is not `int` by type)
+        return value if 0 <= value <= bound else None
+    if value is None or isinstance(value, bool):
         return None
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)

@@ -25,9 +25,10 @@ class AdaptiveDeadline:
     def value(self, est: RollingQuantiles | None) -> float:
         if est is None:
             return self.initial
-        return est.derived(self, self._of)  # once per refresh of the estimate's view
+        return est.derived(self, self.of)  # once per refresh of the estimate's view
 
-    def _of(self, est: RollingQuantiles) -> float:
+    def of(self, est: RollingQuantiles) -> float:
+        """The deadline drawn from `est` now (`value` keeps it in the estimate's memo)."""
         if est.count < self.min_samples:
             return self.initial
         q = est.quantile(self.quantile)
@@ -87,13 +88,13 @@ class Scope:
 
     def left(self) -> float:
         """Seconds left (never below 0; math.inf without a bound)."""
-        return max(0.0, self.at - self.clock.now()) if self.bounded else math.inf
+        return max(0.0, self.at - self.clock.now()) if self.at != math.inf else math.inf
 
     def cap(self, seconds: float | None) -> float | None:
         """`seconds` (None: no bound of its own) capped at what is left of the scope."""
-        if not self.bounded:
+        if self.at == math.inf:  # (not `bounded`: per request, a call saved)
             return seconds
-        left = self.left()
+        left = max(0.0, self.at - self.clock.now())
         return left if seconds is None or seconds > left else seconds
 
     def passed(self, now: float | None = None) -> bool:

@@ -82,7 +82,8 @@ class RollingQuantiles:
     def derived(self, key: Hashable, compute: Callable[[RollingQuantiles], float]) -> float:
         """`compute(self)`, kept under `key` until the merged view is refreshed (a deadline
         drawn from the quantiles is read several times a request, and changes only then)."""
-        self._merged()
+        if self._clock.now() - self._cache_at >= self.refresh:  # else the view is fresh
+            self._merged()
         memo = self._memo
         value = memo.get(key)
         if value is None:
@@ -91,7 +92,9 @@ class RollingQuantiles:
 
     @property
     def count(self) -> int:
-        m = self._merged()
+        m = self._cache
+        if self._clock.now() - self._cache_at >= self.refresh:
+            m = self._merged()
         return int(m.count) if m is not None else 0
 
     def quantile(self, q: float) -> float | None:

@@ -89,9 +89,12 @@ class Store(Protocol):
 
 
 class _Scope:
-    __slots__ = ("paused_until", "requests", "seq_requests", "seq_tokens", "tokens")
+    __slots__ = ("fitted", "paused_until", "requests", "seq_requests", "seq_tokens", "tokens")
 
     def __init__(self) -> None:
+        #: The Limits the buckets were last fitted to (a scope's are the same object from one
+        #: request to the next until they change: then the buckets are fitted again).
+        self.fitted: Limits | None = None
         self.requests: TokenBucket | None = None
         self.tokens: TokenBucket | None = None
         self.seq_requests = 0.0
@@ -130,6 +133,9 @@ class MemoryStore:
             if len(self._scopes) >= MAX_SCOPES:
                 self._scopes.pop(next(iter(self._scopes)))
             s = self._scopes[scope] = _Scope()
+        elif s.fitted is limits:
+            return s
+        s.fitted = limits
         mine = limits.scaled(self.share)
         s.requests = _fit(s.requests, mine.requests, self.clock)
         s.tokens = _fit(s.tokens, mine.tokens, self.clock)

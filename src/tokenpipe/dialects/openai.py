@@ -101,7 +101,9 @@ class OpenAIDialect(Dialect):
             return self._general(data, strip_usage)  # another shape, or numbers out of range
         except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deep
             raise _fault("upstream sent an event that is not JSON") from None
-        return self._typed(c, data if raw is not None else _one_line(data), raw, strip_usage)
+        if raw is None and b"\n" in data:  # (`_one_line`, inline: this runs per event)
+            data = data.replace(b"\n", b" ")
+        return self._typed(c, data, raw, strip_usage)
 
     def _typed(self, c: _Chunk, data: bytes, raw: bytes | None, strip_usage: bool) -> Piece | None:
         """A decoded chunk -> its piece. `raw`: the event's bytes as read, if they are

@@ -57,9 +57,11 @@ def emit_sse(
             if piece.count:
                 tally.observe_content(time.perf_counter())
                 tally.deltas += piece.count
+            # (`raw` read here: the common case costs no `event()` call)
+            raw = piece.raw if piece.raw is not None else piece.event()
             if piece.end and end is not None:
-                return end() + piece.event()
-            return piece.event()
+                return end() + raw
+            return raw
         now = 0.0
         out = []
         for piece in pieces:
@@ -69,7 +71,7 @@ def emit_sse(
                 tally.deltas += piece.count
             if piece.end and end is not None:
                 out.append(end())
-            out.append(piece.event())
+            out.append(piece.raw if piece.raw is not None else piece.event())
         return b"".join(out)
 
     # The stream's last event (`Piece.end`: the parser stops at it) carries the body's end.

@@ -103,7 +103,15 @@ class EventParser:
             except sse.SSEProtocolError as e:
                 self.fault = e
                 return []
-            if piece is None or not self._took(piece):
+            if piece is None:
+                return []
+            # A plain content delta, not recorded, has nothing to book (most events).
+            if (
+                piece.usage is not None
+                or piece.finish_reason
+                or piece.end
+                or self.record is not None
+            ) and not self._took(piece):
                 return []
             return [piece]
         out: list[Piece] = []
@@ -116,7 +124,14 @@ class EventParser:
             except sse.SSEProtocolError as e:
                 self.fault = e
                 return out
-            if piece is not None and self._took(piece):
+            if piece is None:
+                pass
+            elif (
+                piece.usage is None
+                and not piece.finish_reason
+                and not piece.end
+                and self.record is None
+            ) or self._took(piece):
                 out.append(piece)
             if self.ended:
                 return out

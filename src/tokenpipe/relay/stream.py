@@ -68,7 +68,10 @@ def push_taker(
 
 
 def _first_in(pieces: list[Piece]) -> bool:
-    return any(piece.first for piece in pieces)
+    for piece in pieces:  # noqa: SIM110 (any() over a generator is two calls more)
+        if piece.first:
+            return True
+    return False
 
 
 async def read_body(

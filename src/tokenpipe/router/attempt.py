@@ -50,6 +50,7 @@ class Request:
         "scope",
         "stream",
         "trace",
+        "upstreams",
     )
 
     def __init__(
@@ -65,6 +66,7 @@ class Request:
         prompt_tokens: int = 0,
         pace: float | None = None,
         trace: tracing.RequestTrace = tracing.OFF,
+        upstreams: list[HttpUpstream] | None = None,
     ) -> None:
         self.model = model
         self.dialect = dialect
@@ -76,6 +78,9 @@ class Request:
         self.pace = pace
         self.cls = prompt_class(prompt_tokens)
         self.trace = trace
+        #: The router's candidates as the request was prepared (None: not asked then): the
+        #: first send's, not asked again microseconds later; every later send asks.
+        self.upstreams = upstreams
 
 
 class Attempt:
@@ -360,7 +365,11 @@ async def until_answered(
                 or not policy.may_retry(tries.used, tries.limit, reason, tries.label)
             ):
                 return last
-            order = await policy.order(req.model, req.dialect.api)
+            if req.upstreams is not None:  # the request's first send
+                order = policy.arrange(req.model, req.upstreams)
+                req.upstreams = None
+            else:
+                order = await policy.order(req.model, req.dialect.api)
             if eligible is not None:
                 order = [u for u in order if eligible(u)]
             target = policy.pick(_failed_last(order, failed))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
@@ -15,6 +16,7 @@ from tokenpipe.control.breaker import CircuitBreaker, State
 from tokenpipe.control.budget import RatioBudget
 from tokenpipe.control.deadline import AdaptiveDeadline
 from tokenpipe.control.quantiles import RollingQuantiles
+from tokenpipe.dialects import Dialect
 from tokenpipe.observe import metrics
 from tokenpipe.router.candidates import Router
 from tokenpipe.settings import DeadlineSettings, TailSettings
@@ -25,6 +27,8 @@ log = logging.getLogger("tokenpipe.tail")
 #: Estimators kept per table; the least recently created is dropped past this (bounds memory
 #: when clients send many model names).
 MAX_ESTIMATORS = 4096
+#: The hedge delay's key in a TTFT estimate's memo (the deadlines' keys are their rules).
+_HEDGE = "hedge_delay"
 
 
 def _rule(d: DeadlineSettings, min_samples: int) -> AdaptiveDeadline:
@@ -71,6 +75,9 @@ class Policy:
         self._censored: dict[tuple[str, str, int], RollingQuantiles] = {}
         # (kind, upstream, model) -> the deadline gauge's value as last set.
         self._deadlines_shown: dict[tuple[str, str, str], float] = {}
+        # Dialect class -> some upstream continues its cut streams (upstreams are fixed by
+        # config). Bound: the dialect classes.
+        self._continues: dict[type[Dialect], bool] = {}
 
     # -- estimates and deadlines ------------------------------------------------------------
 
@@ -83,22 +90,31 @@ class Policy:
         return est
 
     def ttft_estimate(self, upstream: str, model: str, cls: int) -> RollingQuantiles:
-        return self._est(self._ttft, (upstream, model, cls))
+        key = (upstream, model, cls)
+        return self._ttft.get(key) or self._est(self._ttft, key)
 
     def gap_estimate(self, upstream: str, model: str) -> RollingQuantiles:
-        return self._est(self._gap, (upstream, model))
+        key = (upstream, model)
+        return self._gap.get(key) or self._est(self._gap, key)
+
+    # The three below run per request: each reads its estimate's memo directly (one call,
+    # `derived`), not through `ttft_estimate` and `AdaptiveDeadline.value` (three more).
 
     def ttft_deadline(self, upstream: str, model: str, cls: int) -> float | None:
         if not self.settings.deadlines:
             return None
-        value = self.ttft_rule.value(self.ttft_estimate(upstream, model, cls))
+        key = (upstream, model, cls)
+        est = self._ttft.get(key) or self._est(self._ttft, key)
+        value = est.derived(self.ttft_rule, self.ttft_rule.of)
         self._show_deadline("ttft", upstream, model, value)
         return value
 
     def stall_deadline(self, upstream: str, model: str) -> float | None:
         if not self.settings.deadlines:
             return None
-        value = self.stall_rule.value(self.gap_estimate(upstream, model))
+        key = (upstream, model)
+        est = self._gap.get(key) or self._est(self._gap, key)
+        value = est.derived(self.stall_rule, self.stall_rule.of)
         self._show_deadline("stall", upstream, model, value)
         return value
 
@@ -109,21 +125,27 @@ class Policy:
 
     def hedge_delay(self, upstream: str, model: str, cls: int) -> float:
         """The hedging quantile of TTFT, stalls included (Dean and Barroso: hedge after the
-        95th percentile of expected latency). Stalls cut short have no TTFT, only a lower
-        bound, so they count as above every TTFT seen: with c censored among n requests the
-        q-quantile of all is the q x n / (n - c) quantile of the completed ones. Leaving them
-        out would put the delay inside ordinary latency and hedge ~5% of ordinary requests;
-        recording their wait as a TTFT would drag the delay up to the stalls themselves."""
+        95th percentile of expected latency). Kept in the TTFT estimate's memo until its view
+        is refreshed (0.25 s), as the deadlines are; the censored count is read then."""
+        key = (upstream, model, cls)
+        est = self._ttft.get(key) or self._est(self._ttft, key)
+        value = est.derived(_HEDGE, partial(self._hedge_of, key))
+        self._show_deadline("hedge_delay", upstream, model, value)
+        return value
+
+    def _hedge_of(self, key: tuple[str, str, int], est: RollingQuantiles) -> float:
+        """Stalls cut short have no TTFT, only a lower bound, so they count as above every
+        TTFT seen: with c censored among n requests the q-quantile of all is the
+        q x n / (n - c) quantile of the completed ones. Leaving them out would put the delay
+        inside ordinary latency and hedge ~5% of ordinary requests; recording their wait as a
+        TTFT would drag the delay up to the stalls themselves."""
         h = self.settings.hedging
-        est = self.ttft_estimate(upstream, model, cls)
         q = None
         n = est.count
         if n >= self.settings.min_samples:
-            cut = self._est(self._censored, (upstream, model, cls)).count
+            cut = self._est(self._censored, key).count
             q = est.quantile(min(1.0, h.quantile * (n + cut) / n))
-        value = h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)
-        self._show_deadline("hedge_delay", upstream, model, value)
-        return value
+        return h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)
 
     def _show_deadline(self, kind: str, upstream: str, model: str, value: float) -> None:
         """The deadline gauge, set when the value changed (it changes at most once per
@@ -137,6 +159,14 @@ class Policy:
             shown[key] = value
             metrics.child(metrics.DEADLINE, kind, upstream, model).set(value)
 
+    def continues(self, dialect: Dialect) -> bool:
+        """Some upstream continues a cut stream of `dialect`'s API (`continues_on`)."""
+        found = self._continues.get(type(dialect))
+        if found is None:
+            found = any(dialect.continues_on(u.settings) for u in self.router.upstreams)
+            self._continues[type(dialect)] = found
+        return found
+
     def send_limit(self) -> int:
         """Sends per request, the first included (`tail.retries`)."""
         r = self.settings.retries
@@ -147,7 +177,10 @@ class Policy:
     async def order(self, model: str, api: str = "openai") -> list[HttpUpstream]:
         """The upstreams speaking `api` that serve `model`, in `tail.fallbacks` order (else
         config order)."""
-        candidates = await self.router.candidates(model, api)
+        return self.arrange(model, await self.router.candidates(model, api))
+
+    def arrange(self, model: str, candidates: list[HttpUpstream]) -> list[HttpUpstream]:
+        """`candidates` (the router's, in config order) in `tail.fallbacks` order."""
         names = self.settings.fallbacks.get(model)
         if not names:
             return candidates

@@ -5,6 +5,7 @@ and continuations and their tickets, and the stall deadline."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tokenpipe import sse
@@ -92,11 +93,7 @@ class Route:
         self.continuations = Tries(rec.max_continuations, label="midstream")
         # Content is recorded only when a cut stream could continue somewhere.
         dialect = req.dialect
-        self.recorded = (
-            rec.enabled
-            and dialect.continuable(req.obj)
-            and any(dialect.continues_on(u.settings) for u in policy.router.upstreams)
-        )
+        self.recorded = rec.enabled and policy.continues(dialect) and dialect.continuable(req.obj)
         self.responses: list[UpstreamResponse] = []
         self._side: list[Ticket] = []
 
@@ -175,8 +172,12 @@ class Route:
         one of them raises (the first error is raised at the end)."""
         first: BaseException | None = None
         self.span.end("answered")  # (won: a race's winner; a failure the client got: its own)
-        steps = [self.uresp.close] + [r.close for r in self.responses]
-        for step in steps + [t.finish for t in self._side]:
+        steps: list[Callable[[], object]] = [self.uresp.close]
+        for r in self.responses:  # (loops, not comprehensions: usually both lists are empty)
+            steps.append(r.close)
+        for t in self._side:
+            steps.append(t.finish)
+        for step in steps:
             try:
                 step()
             except Exception as e:
