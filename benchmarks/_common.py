@@ -10,13 +10,14 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,25 @@ def pin(pid: int, cpu: int) -> None:
         for tid in os.listdir(f"/proc/{proc.pid}/task"):
             with contextlib.suppress(ProcessLookupError):  # a thread that just ended
                 os.sched_setaffinity(int(tid), {cpu})
+
+
+#: Linux's PM QoS interface for the CPUs' wake-up latency (root only).
+CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")
+
+
+@contextlib.contextmanager
+def idle_polling(on: bool = True) -> Iterator[None]:
+    """While inside, idle CPUs poll instead of halting: a PM QoS request of 0 us wake-up
+    latency, held as long as /dev/cpu_dma_latency stays open (what tuned's latency-performance
+    profile sets). On a VM a halted vCPU leaves the guest, and the next event on it starts
+    cold: a diagnostic of how much of a latency is the machine's idle states. Machine-wide:
+    every process on it runs without idle halts meanwhile. `on=False`: does nothing."""
+    if not on:
+        yield
+        return
+    with CPU_DMA_LATENCY.open("wb", buffering=0) as f:
+        f.write(struct.pack("i", 0))
+        yield
 
 
 def rss_bytes(procs: list[psutil.Process]) -> int:

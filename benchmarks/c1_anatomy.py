@@ -8,12 +8,19 @@ paced load, and a loopback TCP round trip between two processes (the wake-ups a 
     python benchmarks/c1_anatomy.py                      # ~1 min; JSON in results/
     python benchmarks/c1_anatomy.py --rounds 5 --requests 200 --gap-ms 10
     python benchmarks/c1_anatomy.py --pin                # each gateway alone on CPU 0
+    python benchmarks/c1_anatomy.py --idle-poll alternate --rounds 6    # root: see below
 
 The sim sends its head and role chunk at once and the first content token `--ttft-ms`
 later; tokenpipe holds its head until the role chunk is there, so its "head" is the role
 chunk's arrival. CPU per request here is that of a request arriving at an idle process (a
 gap of `--gap-ms` between requests, then `--ttft-ms` and 3 more tokens 20 ms apart): set
 beside relay_cost.py's figure for back-to-back requests, it shows what a cold cache costs.
+
+`--idle-poll on` runs every round with the machine's idle CPUs polling instead of halting
+(_common.idle_polling: a PM QoS request on /dev/cpu_dma_latency, root only); `alternate`
+every second round, so each condition's rounds sit between the other's and the table shows
+both: how much of the added time is the machine's idle states (on a VM a halted vCPU exits
+to the host, and the next event on it starts cold) rather than the gateway's work.
 """
 
 from __future__ import annotations
@@ -27,7 +34,16 @@ import statistics
 import time
 from typing import Any
 
-from _common import ROOT, bare_relay, cpu_seconds, gateway, pin, write_json
+from _common import (
+    CPU_DMA_LATENCY,
+    ROOT,
+    bare_relay,
+    cpu_seconds,
+    gateway,
+    idle_polling,
+    pin,
+    write_json,
+)
 
 from tokenpipe.bench.procs import Service, sim
 from tokenpipe.bench.stream import server_timing
@@ -127,28 +143,32 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         for c in clients.values():  # warm-up: connections, caches, the gateway's estimates
             for _ in range(30):
                 c.one()
-        rows: dict[str, dict[str, list[float]]] = {
-            n: {"head": [], "first": [], "cpu_us": []} for n in servers
+        conditions = {"off": ["default"], "on": ["polling"], "alternate": ["default", "polling"]}
+        rows: dict[str, dict[str, dict[str, list[float]]]] = {
+            c: {n: {"head": [], "first": [], "cpu_us": []} for n in servers}
+            for c in conditions[args.idle_poll]
         }
-        phases: dict[str, list[float]] = {p: [] for p in PHASES}
+        phases: dict[str, dict[str, list[float]]] = {c: {p: [] for p in PHASES} for c in rows}
         for r in range(args.rounds):
-            for name, client in clients.items():
-                svc = servers[name] or upstream
-                heads, firsts = [], []
-                before = cpu_seconds(svc.pid)
-                for _ in range(args.requests):
-                    h, f, ph = client.one()
-                    heads.append(h)
-                    firsts.append(f)
-                    for p in PHASES:
-                        if p in ph:
-                            phases[p].append(ph[p])
-                    time.sleep(args.gap_ms / 1000)  # paced by design, not a wait for state
-                cpu = (cpu_seconds(svc.pid) - before) / args.requests * 1e6
-                rows[name]["head"].append(statistics.median(heads) * 1e3)
-                rows[name]["first"].append(statistics.median(firsts) * 1e3)
-                rows[name]["cpu_us"].append(cpu)
-            print(f"  round {r + 1}/{args.rounds} done", flush=True)
+            cond = conditions[args.idle_poll][r % len(rows)]
+            with idle_polling(cond == "polling"):
+                for name, client in clients.items():
+                    svc = servers[name] or upstream
+                    heads, firsts = [], []
+                    before = cpu_seconds(svc.pid)
+                    for _ in range(args.requests):
+                        h, f, ph = client.one()
+                        heads.append(h)
+                        firsts.append(f)
+                        for p in PHASES:
+                            if p in ph:
+                                phases[cond][p].append(ph[p])
+                        time.sleep(args.gap_ms / 1000)  # paced by design, not a wait for state
+                    cpu = (cpu_seconds(svc.pid) - before) / args.requests * 1e6
+                    rows[cond][name]["head"].append(statistics.median(heads) * 1e3)
+                    rows[cond][name]["first"].append(statistics.median(firsts) * 1e3)
+                    rows[cond][name]["cpu_us"].append(cpu)
+            print(f"  round {r + 1}/{args.rounds} done ({cond} idle CPUs)", flush=True)
         for c in clients.values():
             c.close()
     finally:
@@ -156,26 +176,36 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             if server is not None:
                 server.stop()
         upstream.stop()
-    med = {n: {k: statistics.median(v) for k, v in cols.items()} for n, cols in rows.items()}
+    med = {
+        c: {n: {k: statistics.median(v) for k, v in cols.items()} for n, cols in by.items()}
+        for c, by in rows.items()
+    }
+    trips = {}
+    for cond in rows:
+        with idle_polling(cond == "polling"):
+            trips[cond] = round_trip_us()
     return {
         "rounds": rows,
         "medians": med,
-        "phases_ms": {p: statistics.median(v) for p, v in phases.items() if v},
-        "round_trip_us": round_trip_us(),
+        "phases_ms": {
+            c: {p: statistics.median(v) for p, v in ph.items() if v} for c, ph in phases.items()
+        },
+        "round_trip_us": trips,
     }
 
 
 def _print(result: dict[str, Any]) -> None:
-    med = result["medians"]
-    d = med["direct"]
-    print("\nconcurrency 1, medians of per-round medians")
-    print(f"{'target':<11} {'head ms':>8} {'first ms':>9} {'added':>7} {'CPU us/req':>11}")
-    for name, m in med.items():
-        added = "-" if name == "direct" else f"{m['first'] - d['first']:+.2f}"
-        print(f"{name:<11} {m['head']:8.2f} {m['first']:9.2f} {added:>7} {m['cpu_us']:11.0f}")
-    print("\ntokenpipe's phases (Server-Timing, ms):")
-    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in result["phases_ms"].items()))
-    print(f"loopback TCP round trip, two processes: {result['round_trip_us']:.0f} us")
+    for cond, med in result["medians"].items():
+        d = med["direct"]
+        print(f"\nconcurrency 1, idle CPUs {cond}, medians of per-round medians")
+        print(f"{'target':<11} {'head ms':>8} {'first ms':>9} {'added':>7} {'CPU us/req':>11}")
+        for name, m in med.items():
+            added = "-" if name == "direct" else f"{m['first'] - d['first']:+.2f}"
+            print(f"{name:<11} {m['head']:8.2f} {m['first']:9.2f} {added:>7} {m['cpu_us']:11.0f}")
+        print("tokenpipe's phases (Server-Timing, ms):")
+        print("  " + ", ".join(f"{k} {v:.3f}" for k, v in result["phases_ms"][cond].items()))
+        trip = result["round_trip_us"][cond]
+        print(f"loopback TCP round trip, two processes: {trip:.0f} us")
 
 
 def main() -> None:
@@ -188,8 +218,16 @@ def main() -> None:
     p.add_argument(
         "--pin", action="store_true", help="the gateways on CPU 0, the sim and the client on 1"
     )
+    p.add_argument(
+        "--idle-poll",
+        choices=["off", "on", "alternate"],
+        default="off",
+        help="idle CPUs poll instead of halting (root): in every round, or every second one",
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "c1_anatomy.json"))
     args = p.parse_args()
+    if args.idle_poll != "off" and not os.access(CPU_DMA_LATENCY, os.W_OK):
+        p.error(f"--idle-poll needs write access to {CPU_DMA_LATENCY} (root)")
     result = _measure(args)
     _print(result)
     write_json(args.json, "c1_anatomy", args, **result)
