@@ -6,6 +6,7 @@ resolve, shows up here as calls removed.
 
     python benchmarks/calls_per_request.py                          # ~40 s
     python benchmarks/calls_per_request.py --base ../base/src --syscalls
+    python benchmarks/calls_per_request.py --ratelimit-headers    # answers carry x-ratelimit-*
 
 Each gateway runs under `python -m cProfile` in front of one sim (TTFT 0, no gaps), twice:
 once for the warm-up requests alone and once for the warm-up and `--requests` more; the
@@ -92,7 +93,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets = [("this tree", None)] + ([("base", args.base)] if args.base else [])
     result: dict[str, Any] = {"targets": {}}
     per: dict[str, dict[str, float]] = {}
-    with procs.sim("--ttft-ms", "0", "--itl-ms", "0") as sim:
+    limits = ["--rpm", "1e9", "--tpm", "1e12"] if args.ratelimit_headers else []
+    with procs.sim("--ttft-ms", "0", "--itl-ms", "0", *limits) as sim:
         for name, src in targets:
             print(f"  {name}: profiling", flush=True)
             warm = await _profile(sim.url, src, 0, args)
@@ -139,6 +141,11 @@ def main() -> None:
     p.add_argument("--top", type=int, default=20, help="functions listed")
     p.add_argument("--base", help="src/ directory of another checkout, counted beside this one")
     p.add_argument("--syscalls", action="store_true", help="count system calls too (strace)")
+    p.add_argument(
+        "--ratelimit-headers",
+        action="store_true",
+        help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "calls_per_request.json"))
     args = p.parse_args()
     if args.base:

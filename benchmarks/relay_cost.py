@@ -7,6 +7,7 @@ answers, the request path subtracted), interleaved round by round, one sim for b
     python benchmarks/relay_cost.py --features-off        # + tokenpipe with its layers off
     python benchmarks/relay_cost.py --tracing off,on,sampled  # one gateway per mode
     python benchmarks/relay_cost.py --base-src ../old/src  # + tokenpipe of another checkout
+    python benchmarks/relay_cost.py --ratelimit-headers   # answers carry x-ratelimit-*
 
 `--tracing` (a list) sets each gateway's OpenTelemetry environment: `off` (the default: no
 endpoint), `on` (every request sampled, spans batched to an OTLP/HTTP receiver on loopback
@@ -79,8 +80,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     traced = any(mode != "off" for mode in args.tracing)
     with contextlib.ExitStack() as stack:
         receiver = stack.enter_context(Receiver()) if traced else None
+        limits = ["--rpm", "1e9", "--tpm", "1e12"] if args.ratelimit_headers else []
         sim = stack.enter_context(
-            Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", name="sim")
+            Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", *limits, name="sim")
         )
         targets: dict[str, Service] = {}
         for mode in args.tracing:
@@ -154,6 +156,12 @@ def main() -> None:
         help="tokenpipe's OpenTelemetry, a list of off, on (every request), sampled (1 in 100)",
     )
     p.add_argument("--base-src", help="add tokenpipe run from this src/ directory (PYTHONPATH)")
+    p.add_argument(
+        "--ratelimit-headers",
+        action="store_true",
+        help="the sim sends OpenAI's x-ratelimit-* headers on every answer, as OpenAI does "
+        "(limits far above this load: nothing waits), so the gateway learns from each",
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "relay_cost.json"))
     args = p.parse_args()
     if args.base_src:

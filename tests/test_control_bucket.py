@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from tokenpipe.clock import ManualClock
-from tokenpipe.control.bucket import TokenBucket
+from tokenpipe.control.bucket import MAX_DEBT, TokenBucket
 
 
 def test_bucket_refills_continuously_up_to_capacity() -> None:
@@ -59,3 +59,22 @@ def test_set_level_and_configure_take_what_the_upstream_says() -> None:
     b.take(5)
     clock.advance(0.2)
     assert math.isclose(b.level, 2)  # new rate applies
+
+
+def test_commit_charges_what_wait_for_admitted_and_held_is_the_level_then() -> None:
+    """The store checks every bucket (wait_for), then charges each (commit) and reports its
+    level (held) in the same step: the charge stops at the debt floor, and held is the level
+    as of the last refill, until the next refill moves it on."""
+    clock = ManualClock()
+    b = TokenBucket(rate=1.0, capacity=10.0, clock=clock)
+    assert b.wait_for(4.0) == 0.0
+    b.commit(4.0)
+    assert b.held == 6.0
+    clock.advance(2.0)
+    assert b.held == 6.0  # no refill yet
+    assert b.level == 8.0  # refilled now
+    b.commit(1000.0)  # debt stops at MAX_DEBT depths
+    assert b.held == -MAX_DEBT * 10.0
+    b.configure(rate=1.0, capacity=5.0)
+    b.commit(1000.0)
+    assert b.held == -MAX_DEBT * 5.0  # the floor follows the new depth

@@ -68,6 +68,33 @@ async def test_headers_teach_an_unconfigured_limiter_the_upstream_bucket() -> No
     assert math.isclose(d.wait, (1 + REQUEST_MARGIN) / 10)
 
 
+async def test_answers_that_say_the_same_limits_keep_the_learned_limits_and_the_buckets() -> None:
+    """Each answer's headers are learned from, but equal limits keep the one Limits object,
+    so the store does not fit the scope's buckets again on every answer; new limits replace
+    it, and the levels reported are still learned from every answer."""
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    lim = Limiter("u", store, clock=clock, wall=lambda: 0.0)
+
+    def said(limit: str, remaining: str) -> dict[str, str]:
+        return {
+            "x-ratelimit-limit-requests": limit,
+            "x-ratelimit-remaining-requests": remaining,
+            "x-ratelimit-reset-requests": "0s",
+        }
+
+    await lim.observe(await lim.acquire("k", 1, deadline=1), 200, said("600", "600"))
+    first = lim.limits
+    await store.reserve(lim.scope, first, 1)
+    fitted = store._scopes[lim.scope]
+    assert fitted.fitted is first
+    await lim.observe(await lim.acquire("k", 1, deadline=1), 200, said("600", "5"))
+    assert lim.limits is first and fitted.fitted is first
+    assert fitted.requests is not None and fitted.requests.level < 6  # the level was learned
+    await lim.observe(await lim.acquire("k", 1, deadline=1), 200, said("1200", "1200"))
+    assert lim.limits is not first and lim.limits.requests == Spec(rate=20.0, capacity=1200.0)
+
+
 async def test_an_upstream_429_pauses_the_upstream_and_shrinks_concurrency() -> None:
     clock = ManualClock()
     store = MemoryStore(clock)

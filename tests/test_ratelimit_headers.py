@@ -174,3 +174,15 @@ def test_anthropic_values_out_of_range_are_dropped_or_clamped(
         assert reading.remaining is None or 0 <= reading.remaining <= 1e12
         assert reading.reset is None or 0 <= reading.reset <= 86_400
     assert info.retry_after is None or info.retry_after <= 60
+
+
+def test_durations_are_remembered_within_a_bound() -> None:
+    """parse_duration keeps its answers (the same resets come on every answer) in a memo
+    that never holds more than its bound, and a remembered answer is the parsed one."""
+    from tokenpipe.control import ratelimit_headers as rh
+
+    for i in range(3 * rh._DURATIONS_MAX):
+        assert parse_duration(f"{i}ms") == pytest.approx(i / 1000)
+        assert len(rh._DURATIONS) <= rh._DURATIONS_MAX
+    assert parse_duration("6m0s") == parse_duration("6m0s") == 360.0
+    assert parse_duration("nonsense") is None and parse_duration("nonsense") is None

@@ -25,13 +25,14 @@ class TokenBucket:
     huge (or hostile) request cannot lock the bucket for days.
     """
 
-    __slots__ = ("_level", "_updated", "capacity", "clock", "rate")
+    __slots__ = ("_floor", "_level", "_updated", "capacity", "clock", "rate")
 
     def __init__(
         self, rate: float, capacity: float, clock: Clock = MONOTONIC, level: float | None = None
     ) -> None:
         self.rate = rate
         self.capacity = capacity
+        self._floor = -MAX_DEBT * capacity  # the lowest level (see MAX_DEBT)
         self.clock = clock
         self._level = capacity if level is None else level
         self._updated = clock.now()
@@ -44,12 +45,14 @@ class TokenBucket:
         return self._level
 
     @property
-    def _floor(self) -> float:
-        return -MAX_DEBT * self.capacity
-
-    @property
     def level(self) -> float:
         return self._refill()
+
+    @property
+    def held(self) -> float:
+        """The level as of the last refill (no clock read): after `wait_for` or `reserve`
+        in the same step, the level now."""
+        return self._level
 
     def take(self, n: float = 1.0) -> float:
         level = self._refill()
@@ -78,8 +81,13 @@ class TokenBucket:
         """Like take(), but admits at min(n, capacity) and may leave the level negative."""
         wait = self.wait_for(n)
         if wait == 0.0:
-            self._level = max(self._floor, self._level - n)
+            self.commit(n)
         return wait
+
+    def commit(self, n: float) -> None:
+        """Takes a reservation of n units that `wait_for` admitted in this same step (no
+        clock read: several buckets are checked first, then all are charged)."""
+        self._level = max(self._floor, self._level - n)
 
     def give(self, n: float) -> None:
         """Returns n units (a reservation that cost less than reserved); n < 0 charges more."""
@@ -95,4 +103,5 @@ class TokenBucket:
         self._refill()
         self.rate = rate
         self.capacity = capacity
+        self._floor = -MAX_DEBT * capacity
         self._level = max(self._floor, min(self._level, capacity))

@@ -148,19 +148,19 @@ class MemoryStore:
             wait = max(wait, s.requests.wait_for(1.0))
         if s.tokens is not None:
             wait = max(wait, s.tokens.wait_for(tokens))
-        if wait == 0.0:
+        if wait == 0.0:  # both admitted just now (wait_for): charged without a second look
             if s.requests is not None:
-                s.requests.reserve(1.0)
+                s.requests.commit(1.0)
             if s.tokens is not None:
-                s.tokens.reserve(tokens)
+                s.tokens.commit(tokens)
             s.seq_requests += 1.0
             s.seq_tokens += tokens
         return Decision(
             wait,
             s.seq_requests,
             s.seq_tokens,
-            s.requests.level if s.requests is not None else None,
-            s.tokens.level if s.tokens is not None else None,
+            s.requests.held if s.requests is not None else None,
+            s.tokens.held if s.tokens is not None else None,
             self.origin,
         )
 

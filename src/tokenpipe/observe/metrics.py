@@ -157,7 +157,7 @@ CONCURRENCY_LIMIT = FastGauge(  # set on every accepted request
     ("upstream",),
     registry=REGISTRY,
 )
-RATELIMIT_REMAINING = Gauge(
+RATELIMIT_REMAINING = FastGauge(  # set on every answer that carries rate-limit headers
     "tokenpipe_ratelimit_remaining",
     "What the upstream last said is left in its rate-limit bucket, by kind (requests, tokens).",
     ("upstream", "kind"),
