@@ -186,3 +186,7 @@ def test_durations_are_remembered_within_a_bound() -> None:
         assert len(rh._DURATIONS) <= rh._DURATIONS_MAX
     assert parse_duration("6m0s") == parse_duration("6m0s") == 360.0
     assert parse_duration("nonsense") is None and parse_duration("nonsense") is None
+    long = "1s" * 20_000  # a hostile upstream's 40 KB reset: parsed, never kept
+    assert parse_duration(long) == 20_000.0
+    assert long not in rh._DURATIONS
+    assert all(len(k) <= rh._DURATION_KEY_MAX for k in rh._DURATIONS)

@@ -83,16 +83,20 @@ class RateLimits:
 
 
 #: parse_duration's answers by text: providers send the same few resets ("6ms", "1s") on
-#: answer after answer, and a regex pass costs ~1.3 us. Bound: _DURATIONS_MAX texts (then
-#: it starts again empty).
+#: answer after answer, and a regex pass costs ~1.3 us. Bound: _DURATIONS_MAX texts of at
+#: most _DURATION_KEY_MAX characters (~100 KiB; then it starts again empty); a longer text
+#: (an upstream's nonsense, up to the head's 64 KiB) is parsed and not kept.
 _DURATIONS: dict[str, float | None] = {}
 _DURATIONS_MAX = 1024
+_DURATION_KEY_MAX = 32
 
 
 def parse_duration(text: str) -> float | None:
     """A Go duration (`6m0s`, `1.5s`, `12ms`) or a bare number of seconds, in seconds."""
     if text in _DURATIONS:
         return _DURATIONS[text]
+    if len(text) > _DURATION_KEY_MAX:
+        return _parse_duration(text)
     if len(_DURATIONS) >= _DURATIONS_MAX:
         _DURATIONS.clear()
     seconds = _DURATIONS[text] = _parse_duration(text)
