@@ -62,6 +62,11 @@ def pin(pid: int, cpu: int) -> None:
                 os.sched_setaffinity(int(tid), {cpu})
 
 
+#: `tokenpipe sim` arguments for `--ratelimit-headers`: OpenAI's x-ratelimit-* headers on
+#: every answer, as OpenAI sends them, with limits far above any benchmark's load (nothing
+#: waits), so the gateway learns from every answer.
+RATELIMIT_HEADERS_SIM = ("--rpm", "1e9", "--tpm", "1e12")
+
 #: Linux's PM QoS interface for the CPUs' wake-up latency (root only).
 CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")
 

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, one_token_requests, strace_counts, write_json
+from _common import RATELIMIT_HEADERS_SIM, ROOT, one_token_requests, strace_counts, write_json
 
 from tokenpipe.bench import procs
 from tokenpipe.bench.procs import Service
@@ -93,7 +93,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets = [("this tree", None)] + ([("base", args.base)] if args.base else [])
     result: dict[str, Any] = {"targets": {}}
     per: dict[str, dict[str, float]] = {}
-    limits = ["--rpm", "1e9", "--tpm", "1e12"] if args.ratelimit_headers else []
+    limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
     with procs.sim("--ttft-ms", "0", "--itl-ms", "0", *limits) as sim:
         for name, src in targets:
             print(f"  {name}: profiling", flush=True)

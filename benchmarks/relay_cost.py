@@ -29,7 +29,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, bare_relay, cpu_seconds, features_off_config, gateway, write_json
+from _common import (
+    RATELIMIT_HEADERS_SIM,
+    ROOT,
+    bare_relay,
+    cpu_seconds,
+    features_off_config,
+    gateway,
+    write_json,
+)
 
 sys.path.insert(0, str(ROOT))  # tests/ (the OTLP receiver of --tracing)
 
@@ -80,7 +88,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     traced = any(mode != "off" for mode in args.tracing)
     with contextlib.ExitStack() as stack:
         receiver = stack.enter_context(Receiver()) if traced else None
-        limits = ["--rpm", "1e9", "--tpm", "1e12"] if args.ratelimit_headers else []
+        limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
         sim = stack.enter_context(
             Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", *limits, name="sim")
         )
@@ -159,8 +167,7 @@ def main() -> None:
     p.add_argument(
         "--ratelimit-headers",
         action="store_true",
-        help="the sim sends OpenAI's x-ratelimit-* headers on every answer, as OpenAI does "
-        "(limits far above this load: nothing waits), so the gateway learns from each",
+        help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
     )
     p.add_argument("--json", default=str(ROOT / "results" / "relay_cost.json"))
     args = p.parse_args()

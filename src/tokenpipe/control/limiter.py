@@ -30,7 +30,6 @@ from tokenpipe.control.ratelimit_headers import Reading, go_duration
 from tokenpipe.control.store import Decision, Limits, Spec, Store
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
-from tokenpipe.observe.fastcount import FastValue
 
 log = logging.getLogger("tokenpipe.limiter")
 #: Out-of-range rate-limit headers: one line per (upstream, kind) per minute, all limiters.
@@ -118,9 +117,6 @@ class Limiter:
         self._m_wait = metrics.LIMITER_WAIT.labels(name)
         self._m_429 = metrics.UPSTREAM_429.labels(name)
         self._m_conc = metrics.CONCURRENCY_LIMIT.labels(name)
-        # By kind, made when the upstream first reports it (a series of 0 would read as
-        # an empty bucket).
-        self._m_remaining: dict[str, FastValue] = {}
         if concurrency is not None:
             self._m_conc.set(concurrency.limit)
 
@@ -250,12 +246,6 @@ class Limiter:
 
     # -- learning and releasing ------------------------------------------------------------
 
-    def _remaining_gauge(self, kind: str) -> FastValue:
-        gauge = self._m_remaining.get(kind)
-        if gauge is None:
-            gauge = self._m_remaining[kind] = metrics.RATELIMIT_REMAINING.labels(self.name, kind)
-        return gauge
-
     async def observe(self, permit: Permit, status: int, headers: Mapping[str, str]) -> bool:
         """The upstream answered `permit`'s request: learn its limits and any pause. True:
         the answer is a refusal from an upstream that is full, not failing (a 503 or 529
@@ -280,9 +270,9 @@ class Limiter:
             rem_r = info.requests.remaining if info.requests else None
             rem_t = info.tokens.remaining if info.tokens else None
             if rem_r is not None:
-                self._remaining_gauge("requests").set(rem_r)
+                metrics.child(metrics.RATELIMIT_REMAINING, self.name, "requests").set(rem_r)
             if rem_t is not None:
-                self._remaining_gauge("tokens").set(rem_t)
+                metrics.child(metrics.RATELIMIT_REMAINING, self.name, "tokens").set(rem_t)
             if rem_r is not None or rem_t is not None:
                 # Learned levels sit a little below what the upstream said: the clocks of
                 # replicas, Redis and the upstream differ by milliseconds, and arriving a hair
