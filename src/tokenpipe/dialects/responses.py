@@ -102,10 +102,17 @@ class ResponsesDialect(Dialect):
 
     def __init__(self) -> None:
         self.last_seq = -1  # the highest sequence_number read (a max: reads may repeat)
-        self._events = _Relayed(self)
+        # The relayed stream's state (_Relayed): the events held before the first output,
+        # their bytes, and whether the first output went out.
+        self.held: list[bytes] = []
+        self.held_size = 0
+        self.started = False
 
     def for_stream(self) -> Dialect:
-        return self._events
+        # Made per call, and not kept here: the reader refers to this dialect, and a
+        # reference back would be a cycle that keeps the request's objects for the garbage
+        # collector (tests/test_request_garbage.py). One stream a request reads it.
+        return _Relayed(self)
 
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
@@ -183,7 +190,7 @@ class ResponsesDialect(Dialect):
     def error_event(self, error: GatewayError) -> bytes:
         """After what was held back, if nothing went out yet (the response's start)."""
         self.last_seq += 1
-        held, self._events.held = self._events.held, []
+        held, self.held = self.held, []
         return b"".join(held) + encode_event(error_payload(error, self.last_seq))
 
     def strip_extensions(self, request: dict[str, Any]) -> bool:
@@ -209,39 +216,37 @@ HELD_MAX = 64 * 1024
 class _Relayed(Dialect):
     """The relayed stream's reader (see the module docstring): the events before the first
     output are held and sent with it; a `response.created` starts the held prefix over (a
-    hedge's or a retry's response taking over before content)."""
+    hedge's or a retry's response taking over before content). Its state is its owner's."""
 
     def __init__(self, owner: ResponsesDialect) -> None:
         self.owner = owner
-        self.held: list[bytes] = []
-        self.size = 0
-        self.started = False  # the first output went out: events pass as they come
 
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
     ) -> Piece | None:
-        piece, kind = self.owner.judge(data, event, raw)
-        if self.started:
+        o = self.owner
+        piece, kind = o.judge(data, event, raw)
+        if o.started:
             return piece
         if not piece.first:
             if kind == "response.created":
-                self.held, self.size = [], 0
+                o.held, o.held_size = [], 0
             assert piece.raw is not None
-            self.held.append(piece.raw)
-            self.size += len(piece.raw)
-            if self.size <= HELD_MAX:
+            o.held.append(piece.raw)
+            o.held_size += len(piece.raw)
+            if o.held_size <= HELD_MAX:
                 return None
-            self.started = True  # bounded: what was held goes out now
-            piece = Piece(b"".join(self.held))
-            self.held = []
+            o.started = True  # bounded: what was held goes out now
+            piece = Piece(b"".join(o.held))
+            o.held = []
             return piece
-        self.started = True
-        if self.held:
+        o.started = True
+        if o.held:
             assert piece.raw is not None
-            piece.raw = b"".join(self.held) + piece.raw
-            piece.size += self.size
+            piece.raw = b"".join(o.held) + piece.raw
+            piece.size += o.held_size
             piece.may_merge, piece.kind, piece.template = False, "", None
-            self.held = []
+            o.held = []
         return piece
 
     def template(self, raw: bytes) -> tuple[Any, str] | None:

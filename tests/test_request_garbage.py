@@ -1,0 +1,124 @@
+"""A finished request leaves nothing that only the cyclic garbage collector can free.
+
+A reference cycle anywhere in a request's objects keeps all of them alive (its task, its
+frames, its request and answer) until a young collection finds them: 31 objects a streamed
+request did (an accumulator holding its writer's bound method, the writer holding the
+accumulator and the task), and the gateway then spent ~16 us a request in the collector
+(docs/performance.md). Here a real gateway, in this process so its garbage can be seen,
+answers each API's requests, streamed and not, native and translated, and errors; with
+gc.DEBUG_SAVEALL the collector keeps what it would have freed, and nothing of a request may
+be among it."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests import procs
+from tokenpipe import gateway
+from tokenpipe.settings import Settings, upstream_from_url
+
+
+@pytest.fixture(scope="module")
+def responses_sim() -> Iterator[procs.Service]:
+    """A sim that answers at once (every API it serves natively, Responses too)."""
+    with procs.sim("--ttft-ms", "0", "--itl-ms", "0", "--output-tokens", "4") as s:
+        yield s
+
+
+_CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+_MESSAGES = _CHAT  # the same body is a Messages request (max_tokens is required there)
+_PROMPT = {"model": "sim-model", "prompt": "hi", "max_tokens": 4}
+_INPUT = {"model": "sim-model", "input": "hi", "max_output_tokens": 16}
+#: (path, body, status through an OpenAI upstream, through an Anthropic one) of each kind
+#: of request: every API, streamed and whole, native and translated, and refusals. An
+#: Anthropic upstream serves chat (translated) and Messages only: the model is not there for
+#: the rest (404).
+_REQUESTS: list[tuple[str, dict[str, Any], int, int]] = [
+    ("/v1/chat/completions", {**_CHAT, "stream": True}, 200, 200),
+    (
+        "/v1/chat/completions",
+        {**_CHAT, "stream": True, "stream_options": {"include_usage": True}},
+        200,
+        200,
+    ),
+    ("/v1/chat/completions", _CHAT, 200, 200),
+    ("/v1/completions", {**_PROMPT, "stream": True}, 200, 404),
+    ("/v1/completions", _PROMPT, 200, 404),
+    ("/v1/messages", {**_MESSAGES, "stream": True}, 200, 200),
+    ("/v1/messages", _MESSAGES, 200, 200),
+    ("/v1/responses", {**_INPUT, "stream": True}, 200, 404),
+    ("/v1/responses", _INPUT, 200, 404),
+    ("/v1/embeddings", {"model": "sim-model", "input": "hi"}, 200, 404),
+    ("/v1/chat/completions", {**_CHAT, "model": "no-such-model", "stream": True}, 404, 404),
+    ("/v1/chat/completions", {"model": "sim-model"}, 400, 400),  # no messages
+]
+
+
+async def _answer_all(session: aiohttp.ClientSession, base: str, api: str) -> None:
+    """Each request once, in order on one connection; the statuses are the table's."""
+    statuses = []
+    for path, body, *_ in _REQUESTS:
+        async with session.post(base + path, json=body) as r:
+            await r.read()
+            statuses.append(r.status)
+    # The connection answers one request at a time, in order: once this one is answered,
+    # every handler before it has finished (its books too).
+    async with session.get(base + "/healthz") as r:
+        await r.read()
+    expected = [openai if api == "openai" else anthropic for *_, openai, anthropic in _REQUESTS]
+    assert statuses == expected
+
+
+def _requests_garbage() -> list[str]:
+    """What the collector found unreachable (kept by DEBUG_SAVEALL) that is the gateway's: its
+    objects, and tasks and coroutines running its code (the client's are aiohttp's)."""
+    gc.collect()
+    found = []
+    for o in gc.garbage:
+        if type(o).__module__.startswith("tokenpipe"):
+            found.append(type(o).__qualname__)
+        elif isinstance(o, asyncio.Task) and (name := _ours(o.get_coro())):
+            found.append(f"Task {name}")
+        elif name := _ours(o):
+            found.append(f"coroutine {name}")
+    return found
+
+
+def _ours(o: object) -> str | None:
+    """A coroutine running the gateway's code: its name."""
+    if inspect.iscoroutine(o) and "/tokenpipe/" in o.cr_code.co_filename:
+        return o.cr_code.co_qualname
+    return None
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+async def test_no_request_leaves_cyclic_garbage(responses_sim: procs.Service, api: str) -> None:
+    url = responses_sim.url + "/v1" if api == "openai" else f"anthropic+{responses_sim.url}/v1"
+    settings = Settings(upstreams=[upstream_from_url(url, 0)])
+    settings.server.port = 0
+    # One connection: requests are answered in order (see _answer_all).
+    connector = aiohttp.TCPConnector(limit=1)
+    async with (
+        gateway.running(settings) as (*_, port),
+        aiohttp.ClientSession(connector=connector) as session,
+    ):
+        base = f"http://{settings.server.host}:{port}"
+        await _answer_all(session, base, api)  # warm: caches, metric children, pools
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                await _answer_all(session, base, api)
+            garbage = _requests_garbage()
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert garbage == [], sorted(Counter(garbage).items())
