@@ -5,7 +5,8 @@ frames, its request and answer) until a young collection finds them: 31 objects 
 request did (an accumulator holding its writer's bound method, the writer holding the
 accumulator and the task), and the gateway then spent ~16 us a request in the collector
 (docs/performance.md). Here a real gateway, in this process so its garbage can be seen,
-answers each API's requests, streamed and not, native and translated, and errors; with
+answers each API's requests, streamed and not, native and translated, and errors, on a
+kept-alive connection and on a connection a request; with
 gc.DEBUG_SAVEALL the collector keeps what it would have freed, and nothing of a request may
 be among it."""
 
@@ -117,6 +118,15 @@ async def test_no_request_leaves_cyclic_garbage(responses_sim: procs.Service, ap
         try:
             for _ in range(3):
                 await _answer_all(session, base, api)
+            # A connection a request: each closes once answered (the server closes it, and
+            # forgets it before the client reads the end).
+            async with aiohttp.ClientSession() as once:
+                for _ in range(3):
+                    body = {**_CHAT, "stream": True}
+                    headers = {"Connection": "close"}
+                    async with once.post(base + _REQUESTS[0][0], json=body, headers=headers) as r:
+                        await r.read()
+                        assert r.status == 200
             garbage = _requests_garbage()
         finally:
             gc.set_debug(0)

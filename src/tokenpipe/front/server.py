@@ -126,6 +126,11 @@ class HttpConnection(asyncio.Protocol):
             request.fail(ConnectionResetError("the client closed the connection"))
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)  # a waiting write sees the close (drain)
+        # The parser holds this protocol (its callbacks), and this protocol the parser: a
+        # cycle a connection, which only the garbage collector would free (a client that
+        # opens a connection per request leaves one a request). Nothing is parsed after
+        # the close.
+        del self._parser
 
     def pause_writing(self) -> None:
         if self._writable is None or self._writable.done():
