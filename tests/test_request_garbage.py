@@ -132,3 +132,45 @@ async def test_no_request_leaves_cyclic_garbage(responses_sim: procs.Service, ap
             gc.set_debug(0)
             gc.garbage.clear()
     assert garbage == [], sorted(Counter(garbage).items())
+
+
+async def test_a_stream_the_client_leaves_leaves_no_cyclic_garbage(
+    responses_sim: procs.Service,
+) -> None:
+    """A client that stops reading and closes (a user's stop button) cuts the stream: its
+    upstream connection is closed, not reused, and nothing of either waits for the
+    collector."""
+    settings = Settings(upstreams=[upstream_from_url(responses_sim.url + "/v1", 0)])
+    settings.server.port = 0
+    slow = {
+        **_CHAT,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi [[sim itl_ms=50 output_tokens=50]]"}],
+    }
+    async with (
+        gateway.running(settings) as (front, _, port),
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session,
+    ):
+        base = f"http://{settings.server.host}:{port}"
+        await _answer_all(session, base, "openai")  # warm
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                # Left unread, the answer's connection is closed by aiohttp at the exit.
+                async with (
+                    aiohttp.ClientSession() as leaving,
+                    leaving.post(base + _REQUESTS[0][0], json=slow) as r,
+                ):
+                    assert r.status == 200
+                    assert await r.content.readany()  # the stream has begun
+                    handlers = set(front.drain.tasks)
+                assert handlers
+                await asyncio.wait(handlers)
+            # Once more round the loop for the cut upstream connection's close.
+            await _answer_all(session, base, "openai")
+            garbage = _requests_garbage()
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert garbage == [], sorted(Counter(garbage).items())

@@ -100,6 +100,10 @@ class Connection(asyncio.Protocol):
             self._resp = None
         else:
             self._fail(UpstreamDisconnected("the upstream closed the connection"))
+        # The parser holds this protocol (its callbacks), and this protocol the parser: a
+        # cycle a connection, which only the garbage collector would free (one a stream cut
+        # short, whose connection cannot be reused). Nothing is parsed after the close.
+        del self.parser
 
     # -- llhttp callbacks --------------------------------------------------------------------
 
