@@ -105,3 +105,26 @@ async def test_idle_connection_without_a_request_is_closed(slow_gateway: procs.S
     assert time.monotonic() - started >= DEADLINE * 0.9
     async with aiohttp.ClientSession() as s, s.get(slow_gateway.url + "/healthz") as r:
         assert r.status == 200
+
+
+async def test_a_kept_alive_connection_closes_a_deadline_after_its_last_answer(
+    slow_gateway: procs.Service,
+) -> None:
+    """The idle deadline counts from the last answer, not from the connection's start: a
+    client idle for most of a deadline, then answered, has a whole deadline again."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", slow_gateway.port)
+    await asyncio.sleep(DEADLINE * 0.6)  # the client idles (the scenario, not a wait)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    async with asyncio.timeout(DEADLINE + SLACK):
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        answered = time.monotonic()
+        assert await reader.read() == b""  # closed by the server
+    writer.close()
+    assert time.monotonic() - answered >= DEADLINE * 0.9
