@@ -174,3 +174,48 @@ async def test_a_stream_the_client_leaves_leaves_no_cyclic_garbage(
             gc.set_debug(0)
             gc.garbage.clear()
     assert garbage == [], sorted(Counter(garbage).items())
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["reset:0", "reset:2", "truncate:2", "garbage", "status:500"],
+)
+async def test_a_stream_that_fails_upstream_leaves_no_cyclic_garbage(
+    responses_sim: procs.Service, fault: str
+) -> None:
+    """An upstream that breaks before the first token (retried), after some (the client gets
+    an error event), with bytes that are not SSE, or with a 500: the error is stored where
+    the stream's reader finds it, and its traceback holds the frames that hold that place.
+    Dropped when the stream ends, the failed request is freed at once like any other."""
+    settings = Settings(upstreams=[upstream_from_url(responses_sim.url + "/v1", 0)])
+    settings.server.port = 0
+    body = {
+        **_CHAT,
+        "stream": True,
+        "messages": [{"role": "user", "content": f"hi [[sim fault={fault}]]"}],
+    }
+    async with (
+        gateway.running(settings) as (*_, port),
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session,
+    ):
+        base = f"http://{settings.server.host}:{port}"
+
+        async def fail() -> None:
+            async with session.post(base + _REQUESTS[0][0], json=body) as r:
+                text = await r.text()
+            # Failed: an error status, or a stream that ends with an error event.
+            assert r.status >= 500 or '"error"' in text, (r.status, text)
+
+        await fail()  # warm
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(3):
+                await fail()
+            async with session.get(base + "/healthz") as r:  # the handlers before it ended
+                await r.read()
+            garbage = _requests_garbage()
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert garbage == [], sorted(Counter(garbage).items())

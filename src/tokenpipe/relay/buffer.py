@@ -219,10 +219,13 @@ class Accumulator:
         return out, tokens
 
     def discard(self) -> None:
-        """Forget what is queued (the stream ended early); keeps the global gauge right."""
+        """The stream is over: forget what is queued (it ended early; the global gauge kept
+        right) and its errors, whose tracebacks hold frames that hold this accumulator (a
+        cycle for the garbage collector with the whole request, test_request_garbage.py)."""
         Accumulator.total_bytes -= self.size
         self.size = 0
         self.pending.clear()
+        self.error = self.write_error = None
 
 
 def _wake(waiter: asyncio.Future[None] | None) -> None:

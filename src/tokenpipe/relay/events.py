@@ -84,10 +84,13 @@ class EventParser:
         return self.record.texts if self.record is not None else []
 
     def close(self) -> None:
-        """The stream is over: its record goes (and leaves the gauge)."""
+        """The stream is over: its record goes (and leaves the gauge), and so does its fault,
+        whose traceback holds frames that hold this parser (a cycle for the garbage collector
+        with the whole failed request, tests/test_request_garbage.py)."""
         if self.record is not None:
             self.record.clear()
             self.record = None
+        self.fault = None
 
     def feed(self, chunk: bytes) -> list[Piece]:
         """The pieces of one read, up to a terminal event or a fault (see the class)."""

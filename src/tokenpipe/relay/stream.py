@@ -305,5 +305,7 @@ async def relay_stream(
         # collector would free, with the task and everything its frames refer to (~31
         # objects a request, gen0 collections of ~16 us a request: calls_per_request.py).
         acc.wake = None
-        await writer.stop()
-        acc.discard()
+        try:
+            await writer.stop()
+        finally:
+            acc.discard()

@@ -256,7 +256,10 @@ async def _retry(
     if a is not None:  # the last failure (or an answer that is not a stream) is the error
         error = a.failure()
         a.discard(a.resp.status if a.resp is not None else None)
-    raise error
+    try:
+        raise error
+    finally:  # the error's traceback holds this frame: its locals must not hold the error
+        del a, error
 
 
 def _drop_unused(task: asyncio.Task[Attempt], used: list[UpstreamResponse]) -> None:

@@ -193,6 +193,10 @@ class UpstreamResponse:
         self._eof = True  # first: the abort below must not record an error for this reader
         self._buffer.clear()
         self._size = 0
+        # Nothing reads it after this. A raised error's traceback holds the frames that hold
+        # this response: kept, it would be a cycle for the garbage collector with the whole
+        # failed request (tests/test_request_garbage.py).
+        self._error = self._fatal = None
         conn, self._conn = self._conn, None
         if conn is not None and answered:
             conn.finish()
