@@ -6,7 +6,8 @@ request did (an accumulator holding its writer's bound method, the writer holdin
 accumulator and the task), and the gateway then spent ~16 us a request in the collector
 (docs/performance.md). Here a real gateway, in this process so its garbage can be seen,
 answers each API's requests, streamed and not, native and translated, and errors, on a
-kept-alive connection and on a connection a request; with
+kept-alive connection and on a connection a request, streams its client leaves and streams
+its upstream breaks; with
 gc.DEBUG_SAVEALL the collector keeps what it would have freed, and nothing of a request may
 be among it."""
 
