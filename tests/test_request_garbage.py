@@ -7,9 +7,8 @@ accumulator and the task), and the gateway then spent ~16 us a request in the co
 (docs/performance.md). Here a real gateway, in this process so its garbage can be seen,
 answers each API's requests, streamed and not, native and translated, and errors, on a
 kept-alive connection and on a connection a request, streams its client leaves and streams
-its upstream breaks; with
-gc.DEBUG_SAVEALL the collector keeps what it would have freed, and nothing of a request may
-be among it."""
+its upstream breaks; with gc.DEBUG_SAVEALL the collector keeps what it would have freed, and
+nothing of a request may be among it."""
 
 from __future__ import annotations
 
