@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import socket
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -218,4 +219,41 @@ async def test_a_stream_that_fails_upstream_leaves_no_cyclic_garbage(
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
+    assert garbage == [], sorted(Counter(garbage).items())
+
+
+async def test_requests_to_an_upstream_that_is_down_leave_no_cyclic_garbage() -> None:
+    """Nothing listens at the upstream's port: connects fail, the circuit opens, and later
+    requests wait for capacity until their deadline. Each failure is kept on its attempt
+    and raised again by the route; neither may tie the request into a cycle."""
+    with socket.socket() as s:  # a loopback port nothing listens on (free a moment ago)
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    settings = Settings(upstreams=[upstream_from_url(down, 0)])
+    settings.server.port = 0
+    body = {**_CHAT, "stream": True}
+    headers = {"x-tokenpipe-deadline-seconds": "0.3"}
+    async with (
+        gateway.running(settings) as (*_, port),
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session,
+    ):
+        base = f"http://{settings.server.host}:{port}"
+
+        async def fail() -> int:
+            async with session.post(base + _REQUESTS[0][0], json=body, headers=headers) as r:
+                await r.read()
+                return r.status
+
+        await fail()  # warm
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            statuses = [await fail() for _ in range(6)]
+            async with session.get(base + "/healthz") as r:  # the handlers before it ended
+                await r.read()
+            garbage = _requests_garbage()
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    assert all(s >= 500 for s in statuses), statuses
     assert garbage == [], sorted(Counter(garbage).items())

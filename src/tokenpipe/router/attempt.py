@@ -187,7 +187,9 @@ async def send(
         queued.fail(e)
         if not isinstance(e, GatewayError):
             raise
-        a.fatal = e  # no capacity in time
+        # Kept without its traceback, which holds this frame and so `a` (a cycle for the
+        # garbage collector with the whole request); raised again, it gets a new one.
+        a.fatal = e.with_traceback(None)  # no capacity in time
         return a
     u = a.upstream.settings
     a.span = req.trace.attempt(queued, a.role, name, u.api, u.url)
@@ -205,7 +207,7 @@ async def send(
                     trace=a.span.headers(),  # the upstream joins the trace
                 )
             except GatewayError as e:
-                a.error, a.reason = e, "connect"
+                a.error, a.reason = e.with_traceback(None), "connect"  # (as a.fatal above)
                 a.span.end("connect")
                 a.ticket.failed(e.status)
                 policy.unhealthy(name)

@@ -40,7 +40,10 @@ async def open_route(policy: Policy, req: Request, ticket: Ticket) -> Route:
         raise GatewayError(502, "No upstream could take the request.", code="upstream_unavailable")
     if a.ok or (a.resp is not None and a.fatal is None):
         return Route(policy, req, ticket, a)  # the answer, or the last failure as it was
-    raise a.failure()
+    try:
+        raise a.failure()
+    finally:  # the error's traceback holds this frame: its locals must not hold the error
+        del a
 
 
 def _adopt(ticket: Ticket, side: Ticket) -> None:
