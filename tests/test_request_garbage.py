@@ -13,11 +13,12 @@ nothing of a request may be among it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import socket
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -25,6 +26,7 @@ import pytest
 
 from tests import procs
 from tokenpipe import gateway
+from tokenpipe.front.app import Front
 from tokenpipe.settings import Settings, upstream_from_url
 
 
@@ -71,12 +73,42 @@ async def _answer_all(session: aiohttp.ClientSession, base: str, api: str) -> No
         async with session.post(base + path, json=body) as r:
             await r.read()
             statuses.append(r.status)
-    # The connection answers one request at a time, in order: once this one is answered,
-    # every handler before it has finished (its books too).
-    async with session.get(base + "/healthz") as r:
-        await r.read()
+    await _settled(session, base)
     expected = [openai if api == "openai" else anthropic for *_, openai, anthropic in _REQUESTS]
     assert statuses == expected
+
+
+@contextlib.asynccontextmanager
+async def _serving(upstream: str) -> AsyncIterator[tuple[Front, str, aiohttp.ClientSession]]:
+    """A gateway in this process in front of `upstream`, its base URL, and a client session
+    with one connection: its requests are answered in order (see _settled)."""
+    settings = Settings(upstreams=[upstream_from_url(upstream, 0)])
+    settings.server.port = 0
+    async with (
+        gateway.running(settings) as (front, _, port),
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session,
+    ):
+        yield front, f"http://{settings.server.host}:{port}", session
+
+
+async def _settled(session: aiohttp.ClientSession, base: str) -> None:
+    """The connection answers one request at a time, in order: once this one is answered,
+    every handler before it on `session`'s one connection has finished (its books too)."""
+    async with session.get(base + "/healthz") as r:
+        await r.read()
+
+
+async def _garbage_of(run: Callable[[], Awaitable[object]]) -> list[str]:
+    """Runs `run` with the collector keeping all it finds unreachable (DEBUG_SAVEALL): the
+    gateway's part of it (`_requests_garbage`)."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        await run()
+        return _requests_garbage()
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
 
 
 def _requests_garbage() -> list[str]:
@@ -104,19 +136,10 @@ def _ours(o: object) -> str | None:
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
 async def test_no_request_leaves_cyclic_garbage(responses_sim: procs.Service, api: str) -> None:
     url = responses_sim.url + "/v1" if api == "openai" else f"anthropic+{responses_sim.url}/v1"
-    settings = Settings(upstreams=[upstream_from_url(url, 0)])
-    settings.server.port = 0
-    # One connection: requests are answered in order (see _answer_all).
-    connector = aiohttp.TCPConnector(limit=1)
-    async with (
-        gateway.running(settings) as (*_, port),
-        aiohttp.ClientSession(connector=connector) as session,
-    ):
-        base = f"http://{settings.server.host}:{port}"
+    async with _serving(url) as (_, base, session):
         await _answer_all(session, base, api)  # warm: caches, metric children, pools
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+
+        async def run() -> None:
             for _ in range(3):
                 await _answer_all(session, base, api)
             # A connection a request: each closes once answered (the server closes it, and
@@ -128,10 +151,8 @@ async def test_no_request_leaves_cyclic_garbage(responses_sim: procs.Service, ap
                     async with once.post(base + _REQUESTS[0][0], json=body, headers=headers) as r:
                         await r.read()
                         assert r.status == 200
-            garbage = _requests_garbage()
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
+
+        garbage = await _garbage_of(run)
     assert garbage == [], sorted(Counter(garbage).items())
 
 
@@ -141,22 +162,15 @@ async def test_a_stream_the_client_leaves_leaves_no_cyclic_garbage(
     """A client that stops reading and closes (a user's stop button) cuts the stream: its
     upstream connection is closed, not reused, and nothing of either waits for the
     collector."""
-    settings = Settings(upstreams=[upstream_from_url(responses_sim.url + "/v1", 0)])
-    settings.server.port = 0
     slow = {
         **_CHAT,
         "stream": True,
         "messages": [{"role": "user", "content": "hi [[sim itl_ms=50 output_tokens=50]]"}],
     }
-    async with (
-        gateway.running(settings) as (front, _, port),
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session,
-    ):
-        base = f"http://{settings.server.host}:{port}"
+    async with _serving(responses_sim.url + "/v1") as (front, base, session):
         await _answer_all(session, base, "openai")  # warm
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+
+        async def run() -> None:
             for _ in range(3):
                 # Left unread, the answer's connection is closed by aiohttp at the exit.
                 async with (
@@ -170,17 +184,33 @@ async def test_a_stream_the_client_leaves_leaves_no_cyclic_garbage(
                 await asyncio.wait(handlers)
             # Once more round the loop for the cut upstream connection's close.
             await _answer_all(session, base, "openai")
-            garbage = _requests_garbage()
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
+
+        garbage = await _garbage_of(run)
     assert garbage == [], sorted(Counter(garbage).items())
 
 
-@pytest.mark.parametrize(
-    "fault",
-    ["reset:0", "reset:2", "truncate:2", "garbage", "status:500"],
-)
+async def _failing(
+    upstream: str, body: dict[str, Any], times: int, headers: dict[str, str] | None = None
+) -> list[str]:
+    """`body` sent once (warm), then `times` more with the collector keeping all: each must
+    fail (an error status, or a stream that ends with an error event). The garbage."""
+    async with _serving(upstream) as (_, base, session):
+
+        async def fail() -> None:
+            async with session.post(base + _REQUESTS[0][0], json=body, headers=headers) as r:
+                text = await r.text()
+            assert r.status >= 500 or '"error"' in text, (r.status, text)
+
+        async def run() -> None:
+            for _ in range(times):
+                await fail()
+            await _settled(session, base)
+
+        await fail()
+        return await _garbage_of(run)
+
+
+@pytest.mark.parametrize("fault", ["reset:0", "reset:2", "truncate:2", "garbage", "status:500"])
 async def test_a_stream_that_fails_upstream_leaves_no_cyclic_garbage(
     responses_sim: procs.Service, fault: str
 ) -> None:
@@ -188,37 +218,9 @@ async def test_a_stream_that_fails_upstream_leaves_no_cyclic_garbage(
     an error event), with bytes that are not SSE, or with a 500: the error is stored where
     the stream's reader finds it, and its traceback holds the frames that hold that place.
     Dropped when the stream ends, the failed request is freed at once like any other."""
-    settings = Settings(upstreams=[upstream_from_url(responses_sim.url + "/v1", 0)])
-    settings.server.port = 0
-    body = {
-        **_CHAT,
-        "stream": True,
-        "messages": [{"role": "user", "content": f"hi [[sim fault={fault}]]"}],
-    }
-    async with (
-        gateway.running(settings) as (*_, port),
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session,
-    ):
-        base = f"http://{settings.server.host}:{port}"
-
-        async def fail() -> None:
-            async with session.post(base + _REQUESTS[0][0], json=body) as r:
-                text = await r.text()
-            # Failed: an error status, or a stream that ends with an error event.
-            assert r.status >= 500 or '"error"' in text, (r.status, text)
-
-        await fail()  # warm
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            for _ in range(3):
-                await fail()
-            async with session.get(base + "/healthz") as r:  # the handlers before it ended
-                await r.read()
-            garbage = _requests_garbage()
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
+    content = f"hi [[sim fault={fault}]]"
+    body = {**_CHAT, "stream": True, "messages": [{"role": "user", "content": content}]}
+    garbage = await _failing(responses_sim.url + "/v1", body, 3)
     assert garbage == [], sorted(Counter(garbage).items())
 
 
@@ -229,31 +231,6 @@ async def test_requests_to_an_upstream_that_is_down_leave_no_cyclic_garbage() ->
     with socket.socket() as s:  # a loopback port nothing listens on (free a moment ago)
         s.bind(("127.0.0.1", 0))
         down = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
-    settings = Settings(upstreams=[upstream_from_url(down, 0)])
-    settings.server.port = 0
-    body = {**_CHAT, "stream": True}
-    headers = {"x-tokenpipe-deadline-seconds": "0.3"}
-    async with (
-        gateway.running(settings) as (*_, port),
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session,
-    ):
-        base = f"http://{settings.server.host}:{port}"
-
-        async def fail() -> int:
-            async with session.post(base + _REQUESTS[0][0], json=body, headers=headers) as r:
-                await r.read()
-                return r.status
-
-        await fail()  # warm
-        gc.collect()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            statuses = [await fail() for _ in range(6)]
-            async with session.get(base + "/healthz") as r:  # the handlers before it ended
-                await r.read()
-            garbage = _requests_garbage()
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-    assert all(s >= 500 for s in statuses), statuses
+    deadline = {"x-tokenpipe-deadline-seconds": "0.3"}
+    garbage = await _failing(down, {**_CHAT, "stream": True}, 6, deadline)
     assert garbage == [], sorted(Counter(garbage).items())
