@@ -7,6 +7,7 @@ resolve, shows up here as calls removed.
     python benchmarks/calls_per_request.py                          # ~40 s
     python benchmarks/calls_per_request.py --base ../base/src --syscalls
     python benchmarks/calls_per_request.py --ratelimit-headers    # answers carry x-ratelimit-*
+    python benchmarks/calls_per_request.py --opcodes --base ../base/src  # ~2 min
 
 Each gateway runs under `python -m cProfile` in front of one sim (TTFT 0, no gaps), twice:
 once for the warm-up requests alone and once for the warm-up and `--requests` more; the
@@ -15,6 +16,10 @@ start-up and warm-up cancelled out. The table lists the calls per request and th
 called most, with the other tree's count beside them. cProfile slows the gateway ~2x: its
 times are not shown, only counts. `--syscalls` attaches `strace -c -f` to a third gateway run
 for the `--requests` after its warm-up (strace's own slowness does not change the counts).
+`--opcodes` counts the bytecode instructions the gateway executes per request, by function
+(benchmarks/_opcodes.py: a trace function, started after the warm-up, for `--opcode-requests`):
+a call is not a unit of cost, an instruction nearly is (~11 ns of the interpreter's loop on
+this machine, perf), so this is the count that says how much Python a change removed.
 JSON in results/calls_per_request.json.
 """
 
@@ -22,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import pstats
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +47,14 @@ from tokenpipe.bench.procs import Service
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
-def _gateway(sim_url: str, src: str | None, prefix: list[str]) -> Service:
+def _gateway(
+    sim_url: str, src: str | None, prefix: list[str], extra: dict[str, str] | None = None
+) -> Service:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    env.update(extra or {})
     argv = [*prefix, "-m", "tokenpipe", "serve", "--port", "0", "--grpc-port", "0"]
     argv += ["--upstream", sim_url + "/v1", "--log-level", "warning", "--drain-grace-seconds", "0"]
-    return Service(argv=argv, env=env if src else None, name="gateway-counted")
+    return Service(argv=argv, env=env if src or extra else None, name="gateway-counted")
 
 
 async def _load(svc: Service, requests: int, concurrency: int) -> None:
@@ -85,6 +96,36 @@ async def _syscalls(sim_url: str, src: str | None, args: Any) -> dict[str, float
     return _per_request(counts, args.requests)
 
 
+async def _opcodes(sim_url: str, src: str | None, args: Any) -> dict[str, float]:
+    """Bytecode instructions per request by function, counted after the warm-up."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "opcodes.json")
+        prefix = [sys.executable, str(ROOT / "benchmarks" / "_opcodes.py")]
+        with _gateway(sim_url, src, prefix, {"TOKENPIPE_OPCODES_OUT": out}) as gw:
+            await _load(gw, args.warmup, args.concurrency)
+            gw.proc.send_signal(signal.SIGUSR1)
+            await _load(gw, args.opcode_requests, args.concurrency)
+            gw.proc.send_signal(signal.SIGUSR2)
+            counts = await asyncio.to_thread(_written, Path(out))
+    named: dict[str, float] = {}
+    for key, n in counts.items():
+        path, _, func = key.rpartition(":")
+        name = _name((path, 0, func))
+        named[name] = named.get(name, 0) + n / args.opcode_requests
+    return named
+
+
+def _written(path: Path, timeout: float = 60.0) -> dict[str, int]:
+    """The JSON the gateway's signal handler writes (an atomic rename), polled for."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway wrote no opcode counts in {timeout:.0f} s")
+        time.sleep(0.05)
+    counts: dict[str, int] = json.loads(path.read_text())
+    return counts
+
+
 def _per_request(counts: dict[str, int], requests: int) -> dict[str, float]:
     return {k: n / requests for k, n in counts.items()}
 
@@ -93,6 +134,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets = [("this tree", None)] + ([("base", args.base)] if args.base else [])
     result: dict[str, Any] = {"targets": {}}
     per: dict[str, dict[str, float]] = {}
+    ops: dict[str, dict[str, float]] = {}
     limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
     with procs.sim("--ttft-ms", "0", "--itl-ms", "0", *limits) as sim:
         for name, src in targets:
@@ -108,6 +150,10 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             if args.syscalls:
                 print(f"  {name}: counting system calls", flush=True)
                 entry["syscalls_per_request"] = await _syscalls(sim.url, src, args)
+            if args.opcodes:
+                print(f"  {name}: counting bytecode instructions", flush=True)
+                ops[name] = await _opcodes(sim.url, src, args)
+                entry["opcodes_per_request"] = sum(ops[name].values())
             result["targets"][name] = entry
     print(f"\nPython calls per 1-token request (cProfile, {args.requests} requests)")
     for name, entry in result["targets"].items():
@@ -130,7 +176,28 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         for k in names[: args.top // 2]:
             print(f"{k[-62:]:<62} {mine.get(k, 0.0):7.1f} {other.get(k, 0.0):7.1f}")
     result["top"] = [{"function": k, "this": mine[k], "base": other.get(k)} for k in top]
+    if ops:
+        result["top_opcodes"] = _opcode_table(ops, args)
     return result
+
+
+def _opcode_table(ops: dict[str, dict[str, float]], args: Any) -> list[dict[str, Any]]:
+    """Prints instructions per request (total, the functions with most, the most changed)."""
+    print(f"\nBytecode instructions per 1-token request ({args.opcode_requests} requests)")
+    for name, counts in ops.items():
+        print(f"  {name:<10} {sum(counts.values()):8.0f}")
+    mine, other = ops["this tree"], ops.get("base", {})
+    top = sorted(mine, key=lambda k: -mine[k])[: args.top]
+    head = f"\n{'function (most instructions)':<62} {'this':>7}"
+    print(head + (f" {'base':>7}" if other else ""))
+    for k in top:
+        print(f"{k[-62:]:<62} {mine[k]:7.0f}" + (f" {other.get(k, 0.0):7.0f}" if other else ""))
+    if other:
+        print(f"\n{'most changed':<62} {'this':>7} {'base':>7}")
+        names = sorted(set(mine) | set(other), key=lambda k: -abs(mine.get(k, 0) - other.get(k, 0)))
+        for k in names[: args.top]:
+            print(f"{k[-62:]:<62} {mine.get(k, 0.0):7.0f} {other.get(k, 0.0):7.0f}")
+    return [{"function": k, "this": mine[k], "base": other.get(k)} for k in top]
 
 
 def main() -> None:
@@ -141,6 +208,10 @@ def main() -> None:
     p.add_argument("--top", type=int, default=20, help="functions listed")
     p.add_argument("--base", help="src/ directory of another checkout, counted beside this one")
     p.add_argument("--syscalls", action="store_true", help="count system calls too (strace)")
+    p.add_argument(
+        "--opcodes", action="store_true", help="count bytecode instructions per request too"
+    )
+    p.add_argument("--opcode-requests", type=int, default=500, help="requests counted (slow)")
     p.add_argument(
         "--ratelimit-headers",
         action="store_true",
