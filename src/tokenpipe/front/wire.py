@@ -281,7 +281,8 @@ class StreamResponse:
 
 # The head's bytes.
 
-_REASONS = {s.value: s.phrase for s in HTTPStatus}
+#: "HTTP/1.1 200 OK\r\n" by status (any other status: "Unknown").
+_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _date: tuple[int, bytes] = (0, b"")
 
 
@@ -297,11 +298,18 @@ def _date_header() -> bytes:
 def head_bytes(status: int, headers: dict[str, str], keep_alive: bool, length: int = -1) -> bytes:
     """The status line and headers. `length` >= 0 adds Content-Length. A value holding CR or
     LF is dropped (header injection: some values come from upstreams)."""
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "Unknown").encode())]
-    for name, value in headers.items():
-        if "\r" in value or "\n" in value:
-            continue
-        lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
+    # Joined by C calls alone (no bytecode a header). Each line has one CR and one LF of its
+    # own: more means a value holds one, and only then are the values tested one by one.
+    text = "\r\n".join(map(": ".join, headers.items())) + "\r\n" if headers else ""
+    n = len(headers)
+    if text.count("\n") != n or text.count("\r") != n:
+        text = "".join(
+            [f"{k}: {v}\r\n" for k, v in headers.items() if "\r" not in v and "\n" not in v]
+        )
+    lines = [
+        _STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status,
+        text.encode("latin-1", "replace"),
+    ]
     if length >= 0:
         lines.append(b"Content-Length: %d\r\n" % length)
     if not keep_alive:
