@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from tokenpipe import request_ids
+from tokenpipe import usage as usage_mod
 from tokenpipe.context import plan, summary, tokens
 from tokenpipe.context.lookup import ModelLookup
 from tokenpipe.control.deadline import UNBOUNDED, Scope
@@ -177,7 +178,7 @@ class Summarizer:
                 raise ValueError("summarizer answer is not a chat completion") from None
             usage = answer.get("usage")  # a dict: indexing it by name worked
         finally:
-            ticket.finish(usage if isinstance(usage, dict) else None, status)
+            ticket.finish(usage_mod.clean(usage), status)
         if not isinstance(text, str) or not text.strip():
             raise ValueError("summarizer wrote an empty summary")
         return text.strip()

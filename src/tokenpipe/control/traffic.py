@@ -11,7 +11,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from tokenpipe import usage as usage_mod
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control import cost as cost_mod
 from tokenpipe.control.admission import Admission, Grant
@@ -195,12 +194,12 @@ class Ticket:
     def finish(self, usage: dict[str, Any] | None = None, status: int | None = None) -> None:
         """The request ended (`status`: what the client got, when it says more, e.g. a 504
         stall mid-stream). The permit and the key's slot are released whatever the other
-        raises (`usage` is checked again here: this is also the internal calls' way out)."""
+        raises. `usage`: the upstream's, already checked (`usage.clean`: every caller has
+        cleaned it for its own books first)."""
         if status in (503, 504):
             self.status = status
         grant, self.grant = self.grant, None
         try:
-            usage = usage_mod.clean(usage)
             self._release(usage, sent=True)
         finally:
             if grant is not None:
