@@ -33,6 +33,8 @@ def encode_comment(text: bytes) -> bytes:
 
 
 DONE_EVENT = encode(DONE)
+#: Event(data) without the Python frame of a NamedTuple's generated `__new__` (per event).
+_new_event = tuple.__new__
 
 
 class SSEDecoder:
@@ -78,7 +80,7 @@ class SSEDecoder:
             # Fast path: the one-line `data: {...}` that OpenAI-compatible servers send.
             if block[:6] == b"data: " and b"\n" not in block:
                 if len(block) > 6:  # `data: ` alone has no data: no event (the spec)
-                    events.append(Event(block[6:]))
+                    events.append(_new_event(Event, (block[6:], False, None)))
             elif block:
                 ev = _parse_block(block)
                 if ev is not None:
