@@ -219,14 +219,39 @@ async def test_informational_answers_are_skipped() -> None:
     [
         b"garbage\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * (h1.MAX_HEAD_BYTES + 1) + b"\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"x: 1\r\n" * (connection.MAX_HEADERS + 1) + b"\r\n",
     ],
-    ids=["not-http", "head-too-large"],
+    ids=["not-http", "head-too-large", "too-many-headers"],
 )
 async def test_bad_answer_is_a_protocol_error(answer: bytes) -> None:
     # A protocol error of its own (not retried: asking again gets the same).
     async with pool_for(answering(answer, close=False)) as pool:
         with pytest.raises(h1.UpstreamProtocolError):
             await pool.request(_get_head(), b"", 5.0)
+
+
+@pytest.mark.parametrize("start", [b"x-big: ", b"x-"], ids=["endless-value", "endless-name"])
+async def test_endless_header_is_cut_at_the_head_bound(start: bytes) -> None:
+    """A header that never ends: the parser library joins its pieces until the line ends,
+    so only a count of the head's bytes as they arrive bounds it. Cut past MAX_HEAD_BYTES
+    (a protocol error, the connection closed), not at the request's timeout (30 s here)
+    after the upstream sent as much as it liked."""
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n" + start)
+        with contextlib.suppress(ConnectionError):  # the client's abort: a reset
+            for _ in range(256):  # 4 MiB in 16 KiB writes, then silence
+                writer.write(b"a" * 16384)
+                await writer.drain()
+            await reader.read()  # returns when the client closes its end
+        closed.set()
+
+    async with pool_for(handle) as pool:
+        with pytest.raises(h1.UpstreamProtocolError, match="head too large"):
+            await pool.request(_get_head(), b"", 30.0)
+        await asyncio.wait_for(closed.wait(), 10.0)
 
 
 async def test_no_answer_times_out_and_the_upstream_sees_the_close() -> None:
