@@ -453,6 +453,12 @@ def test_heads_within_the_bounds_are_served(gw: procs.Service) -> None:
             assert (a.status, a.json()) == (200, {"status": "ok"}), data[:60]
 
 
+@pytest.mark.parametrize("case", ["one header over 16 KiB", "200 headers"])
+def test_headers_over_their_bounds_are_431(gw: procs.Service, case: str) -> None:
+    a = _rejected(gw.port, HEADS[case])  # RFC 6585 5: Request Header Fields Too Large
+    assert a.status == 431, a.status
+
+
 def test_a_request_target_over_the_bound_is_414(gw: procs.Service) -> None:
     a = _rejected(gw.port, HEADS["request line over 16 KiB"])
     assert a.status == 414, a.status

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 import httptools
@@ -50,6 +52,8 @@ MAX_HEADERS = 128
 MAX_PIPELINED = 16
 #: Seconds an unread body is read and dropped after the answer, before the close.
 LINGER_SECONDS = 2.0
+#: bytes -> str for header names and values, called from C (no bytecode a header).
+_latin1 = partial(bytes.decode, encoding="latin-1")
 
 Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
 #: Called after each answer: (request, status, seconds taken).
@@ -89,7 +93,7 @@ class HttpConnection(asyncio.Protocol):
         # The request being parsed, and its head's parts.
         self._parsing: Request | None = None
         self._url = b""
-        self._headers: list[tuple[str, str]] = []
+        self._fields: list[bytes] = []  # the head's header names and values, alternating
         self._head_size = 0
         self._in_head = False
         # Parsed requests in order; the first is being answered by `_task`.
@@ -179,7 +183,7 @@ class HttpConnection(asyncio.Protocol):
         self._in_head = True
         self._head_size = 0
         self._url = b""
-        self._headers = []
+        self._fields = []
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -187,14 +191,20 @@ class HttpConnection(asyncio.Protocol):
             raise _Refused("request target too long", 414)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > MAX_LINE:
-            raise _Refused("header too long")
-        if len(self._headers) >= MAX_HEADERS:
+        # Per header only this; each line's bound and the decoding are C calls on all of
+        # them at the head's end (a line is held at most until MAX_HEAD, data_received).
+        fields = self._fields
+        fields.append(name)
+        fields.append(value)
+        if len(fields) > 2 * MAX_HEADERS:
             raise _Refused("too many headers")
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        fields, self._fields = self._fields, []
+        names, values = fields[::2], fields[1::2]
+        if fields and max(map(operator.add, map(len, names), map(len, values))) > MAX_LINE:
+            raise _Refused("header too long")
         parser = self._parser
         request = Request(
             self,
@@ -202,7 +212,7 @@ class HttpConnection(asyncio.Protocol):
             parser.get_method().decode("ascii", "replace"),
             self._url.decode("latin-1"),
             parser.get_http_version(),
-            CIMultiDict(self._headers),
+            CIMultiDict(zip(map(_latin1, names), map(_latin1, values), strict=True)),
             parser.should_keep_alive() and parser.get_http_version() == "1.1",
         )
         self._parsing = request
