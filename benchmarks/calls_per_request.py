@@ -154,6 +154,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  {name}: counting bytecode instructions", flush=True)
                 ops[name] = await _opcodes(sim.url, src, args)
                 entry["opcodes_per_request"] = sum(ops[name].values())
+                entry["opcodes_by_function"] = ops[name]
             result["targets"][name] = entry
     print(f"\nPython calls per 1-token request (cProfile, {args.requests} requests)")
     for name, entry in result["targets"].items():
