@@ -139,10 +139,8 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         # Per header only this: the bounds and the decoding are C calls on all of them at
         # the head's end (~38 instructions a header before, ~20 upstream headers an answer).
-        fields = self._fields
-        fields.append(name)
-        fields.append(value)
-        if len(fields) > 2 * MAX_HEADERS:
+        self._fields += (name, value)  # (fewer instructions than two appends)
+        if len(self._fields) > 2 * MAX_HEADERS:
             raise httptools.HttpParserError("too many headers")
 
     def on_headers_complete(self) -> None:
