@@ -205,24 +205,13 @@ def parse(headers: Mapping[str, str], now_wall: float) -> RateLimits:
         elif n == "retry-after-ms":
             retry_after_ms = value
     out = RateLimits()
-    for kind in _KINDS if openai or anthropic else ():
-        for fields, instant in ((openai.get(kind), False), (anthropic.get(kind), True)):
-            if not fields:
-                continue
-            notes = out.notes
-            lim, rem = fields.get("limit"), fields.get("remaining")
-            reading = Reading(
-                _bounded(notes, "limit", lim, _number(lim), MIN_LIMIT, MAX_COUNT),
-                _bounded(notes, "remaining", rem, _number(rem), 0.0, MAX_COUNT),
-            )
-            if reading.limit is None and reading.remaining is None:
-                continue
-            reset = fields.get("reset")
-            if reset is not None:
-                secs = parse_instant(reset, now_wall) if instant else parse_duration(reset)
-                reading.reset = _bounded(notes, "reset", reset, secs, 0.0, MAX_RESET)
-            out.readings[kind] = reading
-            break  # OpenAI's headers win over Anthropic's for the same kind
+    # Only the kinds the headers name (OpenAI's win over Anthropic's for the same kind):
+    for kind, fields in openai.items():
+        if kind in _KINDS:
+            _read(out, kind, fields, None)
+    for kind, fields in anthropic.items():
+        if kind in _KINDS and kind not in out.readings:
+            _read(out, kind, fields, now_wall)
     if retry_after_ms is not None:
         ms = _number(retry_after_ms)
         secs = None if ms is None else ms / 1000.0
@@ -231,6 +220,24 @@ def parse(headers: Mapping[str, str], now_wall: float) -> RateLimits:
         secs = parse_retry_after(retry_after, now_wall)
         out.retry_after = _bounded(out.notes, "retry-after", retry_after, secs, 0.0, MAX_PAUSE)
     return out
+
+
+def _read(out: RateLimits, kind: str, fields: dict[str, str], now_wall: float | None) -> None:
+    """One bucket's fields into `out.readings[kind]`, unless neither its limit nor what
+    remains is readable. `now_wall`: resets are instants (Anthropic's), else durations."""
+    notes = out.notes
+    lim, rem = fields.get("limit"), fields.get("remaining")
+    reading = Reading(
+        _bounded(notes, "limit", lim, _number(lim), MIN_LIMIT, MAX_COUNT),
+        _bounded(notes, "remaining", rem, _number(rem), 0.0, MAX_COUNT),
+    )
+    if reading.limit is None and reading.remaining is None:
+        return
+    reset = fields.get("reset")
+    if reset is not None:
+        secs = parse_duration(reset) if now_wall is None else parse_instant(reset, now_wall)
+        reading.reset = _bounded(notes, "reset", reset, secs, 0.0, MAX_RESET)
+    out.readings[kind] = reading
 
 
 def go_duration(seconds: float) -> str:
