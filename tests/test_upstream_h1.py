@@ -254,6 +254,39 @@ async def test_endless_header_is_cut_at_the_head_bound(start: bytes) -> None:
         await asyncio.wait_for(closed.wait(), 10.0)
 
 
+@pytest.mark.parametrize(
+    "start",
+    [b"5\r\nhello\r\n0\r\nx-trailer: ", b"5\r\nhello\r\n5;ext="],
+    ids=["endless-trailer", "endless-chunk-extension"],
+)
+async def test_endless_framing_after_the_head_is_cut(start: bytes) -> None:
+    """Bytes that deliver nothing (a trailer that never ends, a chunk extension that never
+    ends) are bounded as the head is: a protocol error past MAX_HEAD_BYTES, the body's part
+    before them delivered, the connection closed; not a wait for the request's timeout
+    while the parser binding joins the trailer's pieces."""
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + start)
+        with contextlib.suppress(ConnectionError):  # the client's abort: a reset
+            for _ in range(256):  # 4 MiB in 16 KiB writes, then silence
+                writer.write(b"a" * 16384)
+                await writer.drain()
+            await reader.read()  # returns when the client closes its end
+        closed.set()
+
+    async with pool_for(handle) as pool:
+        resp = await pool.request(_get_head(), b"", 30.0)
+        received = b""
+        with pytest.raises(h1.UpstreamProtocolError, match="nothing"):
+            async with asyncio.timeout(30.0):
+                while chunk := await resp.readany():
+                    received += chunk
+        assert received == b"hello"
+        await asyncio.wait_for(closed.wait(), 10.0)
+
+
 async def test_no_answer_times_out_and_the_upstream_sees_the_close() -> None:
     closed = asyncio.Event()
 

@@ -18,10 +18,11 @@ from multidict import CIMultiDict
 from tokenpipe.upstream.errors import UpstreamDisconnected, UpstreamProtocolError
 from tokenpipe.upstream.response import UpstreamResponse
 
-#: Longest response head (status line and headers, bytes) accepted; more is a protocol error.
-#: Counted as the bytes arrive (data_received): llhttp's binding joins a header's pieces
-#: until its line ends, so a header that never ends would otherwise grow without bound, each
-#: read copying all of it again, until the request's deadline.
+#: Longest response head (status line and headers, bytes) accepted, and most bytes read in a
+#: row that deliver nothing (no whole head, no piece of body, no end): trailers, chunk lines.
+#: More is a protocol error. Counted as the bytes arrive (data_received): llhttp's binding
+#: joins a header's pieces until its line ends, so a header or trailer that never ends would
+#: otherwise grow without bound, each read copying all of it again, until a deadline.
 MAX_HEAD_BYTES = 64 * 1024
 #: Most header lines in a response head (OpenAI answers with ~25); more is a protocol error.
 MAX_HEADERS = 256
@@ -61,7 +62,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._head: asyncio.Future[UpstreamResponse] | None = None
         self._in_head = False  # a request was sent and its answer's head is not complete
-        self._head_size = 0  # bytes read while in the head
+        self._quiet = 0  # bytes read since the parser last delivered (a head, body, the end)
         self._fields: list[bytes] = []  # the head's header names and values, alternating
         self._resp: UpstreamResponse | None = None
         self._timeout: float | None = None
@@ -84,8 +85,7 @@ class Connection(asyncio.Protocol):
             self.fd = sock.fileno()
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            self._head_size += len(data)
+        self._quiet += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # llhttp stops at a 101 (see on_headers_complete)
@@ -95,14 +95,16 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             # A callback's own error (a bound) is the parser error's context: it names it.
             cause = e.__context__
-            why = cause if isinstance(cause, httptools.HttpParserError) else e
-            self._fail(UpstreamProtocolError(f"bad HTTP/1.1 from the upstream: {why}"))
+            named = cause if isinstance(cause, httptools.HttpParserError) else e
+            self._fail(UpstreamProtocolError(f"bad HTTP/1.1 from the upstream: {named}"))
             self.abort()
             return
-        # Still in the head after this read: all of it was head (exactly: a head that ends
-        # within a read is measured in on_headers_complete).
-        if self._in_head and self._head_size > MAX_HEAD_BYTES:
-            self._fail(UpstreamProtocolError("bad HTTP/1.1 from the upstream: head too large"))
+        # Nothing delivered for MAX_HEAD_BYTES (the bound is that plus one read: the bytes of
+        # a read after its last delivery count from the next check). A head that ends
+        # within a read is measured exactly in on_headers_complete.
+        if self._quiet > MAX_HEAD_BYTES and not self.lost:
+            why = "head too large" if self._in_head else "64 KiB that deliver nothing"
+            self._fail(UpstreamProtocolError(f"bad HTTP/1.1 from the upstream: {why}"))
             self.abort()
 
     def eof_received(self) -> bool | None:
@@ -146,6 +148,7 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         # 1xx (e.g. 103 Early Hints): skipped. A 101 is too, and then ends the parse: no upgrade
         # is ever asked for, so the bytes after it are another protocol (data_received).
+        self._quiet = 0
         fields, self._fields = self._fields, []
         if sum(map(len, fields)) > MAX_HEAD_BYTES:
             raise httptools.HttpParserError("head too large")
@@ -162,6 +165,7 @@ class Connection(asyncio.Protocol):
             head.set_result(resp)
 
     def on_body(self, body: bytes) -> None:
+        self._quiet = 0
         if self._resp is not None:
             self._resp._feed(body)
         elif self._finishing is not None:  # after the last event: dropped, bounded
@@ -174,6 +178,8 @@ class Connection(asyncio.Protocol):
             self._informational = False
             return
         resp, self._resp = self._resp, None
+        self._quiet = 0
+        self._fields = []  # trailers: not read
         self._stop_finishing()
         reuse = self.parser.should_keep_alive() and not self.lost
         if resp is not None:
@@ -191,7 +197,7 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None
         self._head = asyncio.get_running_loop().create_future()
         self._in_head = True
-        self._head_size = 0
+        self._quiet = 0
         self._fields = []
         self._timeout = timeout
         self.uses += 1
