@@ -369,6 +369,31 @@ def test_expect_100_continue_then_a_chunked_body_gets_the_completion(gw: procs.S
         assert w.answer().status == 200
 
 
+@pytest.mark.parametrize(
+    "end", [b"0\r\nx-trailer: ", b"5;ext="], ids=["endless-trailer", "endless-chunk-extension"]
+)
+def test_a_chunked_body_with_endless_framing_is_refused(gw: procs.Service, end: bytes) -> None:
+    """After a whole JSON body, a trailer (or a chunk extension) that never ends: the parser
+    binding would join the trailer's pieces without bound while the handler waits for the
+    body's end. Bytes that deliver nothing are bounded as a head is: a 431, then the close."""
+    body = json.dumps(CHAT).encode()
+    with Wire(gw.port) as w:
+        assert w.send(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n" % (len(body), body)
+            + end
+        )
+        for _ in range(64):  # 1 MiB; the server may answer and close before it has all
+            if not w.send(FILLER * 5462):
+                break
+        a = w.answer()
+        assert a.status == 431, a
+        json_4xx(a, FILLER)
+        w.until_closed(ANSWER_SECONDS)
+    healthz_ok(gw.port)
+
+
 def test_expect_100_continue_with_a_body_over_the_limit_gets_413_not_100(
     gw: procs.Service,
 ) -> None:

@@ -10,13 +10,15 @@ behind ASGI's message dicts, which this path would pay for twice (docs/performan
 Bounds (each answered with a JSON 414 or 431 that echoes nothing, then the connection
 closes; other unparsable requests get a 400 alike):
 the request line and each header at most MAX_LINE bytes, the whole head MAX_HEAD, at most
-MAX_HEADERS headers. A new connection's head must arrive, and an idle kept-alive connection
-send its next request, within `idle_seconds`. At most MAX_PIPELINED requests wait behind the
-one being answered (then the socket is not read until it is answered). A body is buffered up
-to wire.BODY_HIGH_WATER (then the socket is not read until the handler reads it); bodies
-themselves are bounded by the edge (front/edge.py). When a client disconnects, its request's
-handler task is cancelled at once, which closes the upstream stream (unless the stream's last
-event already went out: then the handler ends as answered).
+MAX_HEADERS headers, and at most MAX_HEAD bytes in a row that deliver nothing after the head
+(a chunked body's trailers or chunk lines). A new connection's head must arrive, and an idle
+kept-alive connection send its next request, within `idle_seconds`. At most MAX_PIPELINED
+requests wait behind the one being answered (then the socket is not read until it is
+answered). A body is buffered up to wire.BODY_HIGH_WATER (then the socket is not read until
+the handler reads it); bodies themselves are bounded by the edge (front/edge.py). When a
+client disconnects, its request's handler task is cancelled at once, which closes the
+upstream stream (unless the stream's last event already went out: then the handler ends as
+answered).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class HttpConnection(asyncio.Protocol):
         self._parsing: Request | None = None
         self._url = b""
         self._fields: list[bytes] = []  # the head's header names and values, alternating
-        self._head_size = 0
+        self._quiet = 0  # bytes read since the parser last delivered (a head, body, the end)
         self._in_head = False
         # Parsed requests in order; the first is being answered by `_task`.
         self._queue: deque[Request] = deque()
@@ -152,8 +154,7 @@ class HttpConnection(asyncio.Protocol):
             return
         if self._closing:
             return
-        if self._in_head:  # a head left unfinished by the last read: its pieces are counted
-            self._head_size += len(data)
+        self._quiet += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -167,10 +168,11 @@ class HttpConnection(asyncio.Protocol):
             cause = e.__context__
             self._refuse(cause if isinstance(cause, _Refused) else e)
             return
-        # httptools joins a header's pieces itself, so a head trickled forever is cut here:
-        # at most MAX_HEAD bytes after the read it began in.
-        if self._in_head and self._head_size > MAX_HEAD:
-            self._refuse(_Refused("head too large"))
+        # httptools joins a header's (and a trailer's) pieces itself, so a head or a trailer
+        # trickled forever is cut here: at most MAX_HEAD bytes in a row that deliver nothing
+        # (no whole head, no body piece, no end), after the read the last delivery was in.
+        if self._quiet > MAX_HEAD:
+            self._refuse(_Refused("head too large" if self._in_head else "trailers too large"))
 
     def eof_received(self) -> bool | None:
         """The client closed its side: it is gone (as aiohttp's server took it), so the
@@ -181,7 +183,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_head = True
-        self._head_size = 0
+        self._quiet = 0
         self._url = b""
         self._fields = []
 
@@ -199,6 +201,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._quiet = 0
         fields, self._fields = self._fields, []
         names, values = fields[::2], fields[1::2]
         if fields and max(map(operator.add, map(len, names), map(len, values))) > MAX_LINE:
@@ -222,9 +225,11 @@ class HttpConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         assert self._parsing is not None
+        self._quiet = 0
         self._parsing.feed(body)
 
     def on_message_complete(self) -> None:
+        self._quiet = 0
         if self._parsing is not None:
             self._parsing.end()
         self._parsing = None
