@@ -1,0 +1,91 @@
+"""The SSE decoder (sse.py) against its spec, whatever the reads: every split of a stream
+into reads gives the events of the whole stream at once, for LF, CR and CRLF line ends,
+comments, multi-line events and `event:` fields; an event over the bound is a fault however
+it arrives. The decoder holds an unterminated event's reads as they came and joins them
+once, at the read that may end it: these cases pin that no end is missed at a read's edge."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from tokenpipe import sse
+
+STREAMS = {
+    "lf": b'data: {"a":1}\n\ndata: {"b":2}\n\n: ping\n\ndata: [DONE]\n\n',
+    "crlf": b'data: {"a":1}\r\n\r\ndata: x\r\ndata: y\r\n\r\n: c\r\n\r\n',
+    "cr": b"data: one\r\rdata: two\rdata: three\r\r",
+    "mixed": b"data: a\r\n\ndata: b\n\r\ndata: c\r\rdata: d\n\revent: e\ndata: f\r\n\r\n",
+    "fields": b"event: message_start\ndata: {}\nid: 7\nretry: 1\n\n:\n\ndata:\n\ndata: z\n\n",
+    "unterminated": b"data: whole\n\ndata: not yet ended\r",
+    "line-end-pairs": b"data: z\n\r\n\rdata: y\r\n\r\r\n:x\n\r\r\n\n\r\rdata: q\r\n\n",
+}
+
+
+def _events(reads: list[bytes]) -> tuple[list[sse.Event], bool]:
+    """The events, and whether an unterminated one is left (its bytes are held as they came,
+    so their line ends may or may not be normalised yet)."""
+    d = sse.SSEDecoder()
+    out: list[sse.Event] = []
+    for r in reads:
+        out += d.feed(r)
+    return out, bool(d.pending)
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    edges = [0, *sorted(cuts), len(data)]
+    return [data[a:b] for a, b in itertools.pairwise(edges)]
+
+
+@pytest.mark.parametrize("name", list(STREAMS))
+def test_every_split_gives_the_events_of_the_whole(name: str) -> None:
+    data = STREAMS[name]
+    whole = _events([data])
+    assert whole[0], "the stream has events"
+    assert _events([data[i : i + 1] for i in range(len(data))]) == whole  # byte by byte
+    n = len(data)
+    for i in range(n + 1):  # every split in three (two reads at every pair of places)
+        for j in range(i, n + 1):
+            assert _events([data[:i], data[i:j], data[j:]]) == whole, (i, j)
+    rng = random.Random(name)
+    for _ in range(300):  # random splits, empty reads among them
+        cuts = [rng.randrange(len(data) + 1) for _ in range(rng.randrange(1, 8))]
+        assert _events(_split(data, cuts)) == whole, cuts
+
+
+def test_the_events_are_what_the_spec_says() -> None:
+    events, pending = _events([STREAMS["mixed"]])
+    assert [(e.data, e.event) for e in events] == [
+        (b"a", None),
+        (b"b", None),
+        (b"c", None),
+        (b"d", None),
+        (b"f", "e"),
+    ]
+    assert not pending
+    d = sse.SSEDecoder()
+    d.feed(STREAMS["unterminated"])
+    assert d.pending == b"data: not yet ended\r"
+
+
+@pytest.mark.parametrize("read", [1, 1000, 1 << 16])
+def test_an_event_over_the_bound_is_a_fault_however_it_arrives(read: int) -> None:
+    d = sse.SSEDecoder(max_event_bytes=100_000)
+    data = b"data: ok\n\ndata: " + b"a" * 100_000
+    got: list[sse.Event] = []
+    for i in range(0, len(data), read):
+        got += d.feed(data[i : i + read])
+        if d.fault is not None:
+            break
+    assert [e.data for e in got] == [b"ok"]  # the events before it, then the fault
+    assert d.fault is not None and d.pending == b""
+    with pytest.raises(sse.SSEProtocolError, match="larger than 100000 bytes"):
+        d.feed(b"\n\n")
+
+
+def test_a_long_event_in_small_reads_is_whole() -> None:
+    data = b"data: " + b"x" * 300_000 + b"\r\n\r\ndata: next\n\n"
+    events, pending = _events([data[i : i + 999] for i in range(0, len(data), 999)])
+    assert [len(e.data) for e in events] == [300_000, 4] and not pending
