@@ -1,4 +1,5 @@
-"""`python benchmarks/_opcodes.py -m tokenpipe serve ...`: the gateway, counting the bytecode
+"""`python benchmarks/_opcodes.py -m tokenpipe serve ...` (or `... bare_relay.py ...`): the
+gateway (or the bare relay), counting the bytecode
 instructions each of its functions executes between SIGUSR1 (start) and SIGUSR2 (stop: the
 counts are written as JSON, {"file:qualified name": instructions}, to $TOKENPIPE_OPCODES_OUT, by
 an atomic rename). Used by calls_per_request.py --opcodes.
@@ -54,7 +55,11 @@ if __name__ == "__main__":
     signal.signal(signal.SIGUSR1, _start)
     signal.signal(signal.SIGUSR2, _stop)
     args = sys.argv[1:]
-    if args[:2] != ["-m", "tokenpipe"]:
-        sys.exit("usage: _opcodes.py -m tokenpipe ARGS...")
-    sys.argv = ["tokenpipe", *args[2:]]
-    runpy.run_module("tokenpipe", run_name="__main__", alter_sys=True)
+    if args[:2] == ["-m", "tokenpipe"]:
+        sys.argv = ["tokenpipe", *args[2:]]
+        runpy.run_module("tokenpipe", run_name="__main__", alter_sys=True)
+    elif args and args[0].endswith(".py"):  # a script: the bare relay
+        sys.argv = args
+        runpy.run_path(args[0], run_name="__main__")
+    else:
+        sys.exit("usage: _opcodes.py -m tokenpipe ARGS... | _opcodes.py SCRIPT.py ARGS...")

@@ -47,9 +47,18 @@ from tokenpipe.bench.procs import Service
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
+#: The bare aiohttp relay's stand-in for a src/ directory in the targets (`--relay`).
+RELAY = "bare relay"
+
+
 def _gateway(
     sim_url: str, src: str | None, prefix: list[str], extra: dict[str, str] | None = None
 ) -> Service:
+    """`tokenpipe serve` run from `src` (None: this tree), or the bare relay (src RELAY),
+    behind `prefix` (the profiler's command)."""
+    if src == RELAY:
+        argv = [*prefix, str(ROOT / "benchmarks" / "bare_relay.py"), "--upstream", sim_url]
+        return Service(argv=argv, env=extra, name="relay-counted")
     env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     env.update(extra or {})
     argv = [*prefix, "-m", "tokenpipe", "serve", "--port", "0", "--grpc-port", "0"]
@@ -132,6 +141,7 @@ def _per_request(counts: dict[str, int], requests: int) -> dict[str, float]:
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets = [("this tree", None)] + ([("base", args.base)] if args.base else [])
+    targets += [(RELAY, RELAY)] if args.relay else []
     result: dict[str, Any] = {"targets": {}}
     per: dict[str, dict[str, float]] = {}
     ops: dict[str, dict[str, float]] = {}
@@ -182,11 +192,51 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+#: Layers of the request path by file (the first prefix that matches), for the table of
+#: instructions by layer; the bare relay's are aiohttp's server and client.
+LAYERS = (
+    ("tokenpipe/front/", "front: HTTP server, edge, answer"),
+    ("tokenpipe/upstream/", "upstream client"),
+    ("tokenpipe/relay/", "relay and SSE"),
+    ("tokenpipe/sse.py", "relay and SSE"),
+    ("tokenpipe/dialects/", "dialects"),
+    ("tokenpipe/router/", "router: attempts, deadlines, hedges"),
+    ("tokenpipe/control/", "admission, limiter, cost"),
+    ("tokenpipe/pipeline.py", "pipeline"),
+    ("tokenpipe/observe/", "metrics, timing, traces"),
+    ("tokenpipe/context/", "context budget"),
+    ("tokenpipe/", "tokenpipe: other"),
+    ("aiohttp/web", "aiohttp server"),
+    ("aiohttp/client", "aiohttp client"),
+    ("aiohttp/connector", "aiohttp client"),
+    ("aiohttp/", "aiohttp: streams, writer, helpers"),
+    ("asyncio/", "asyncio"),
+)
+
+
+def _layer(function: str) -> str:
+    for prefix, layer in LAYERS:
+        if function.startswith(prefix):
+            return layer
+    return "other (libraries, stdlib)"
+
+
 def _opcode_table(ops: dict[str, dict[str, float]], args: Any) -> list[dict[str, Any]]:
-    """Prints instructions per request (total, the functions with most, the most changed)."""
+    """Prints instructions per request (total, by layer, the functions with most, the most
+    changed)."""
     print(f"\nBytecode instructions per 1-token request ({args.opcode_requests} requests)")
-    for name, counts in ops.items():
-        print(f"  {name:<10} {sum(counts.values()):8.0f}")
+    names = list(ops)
+    by_layer: dict[str, dict[str, float]] = {n: {} for n in names}
+    for n in names:
+        for function, count in ops[n].items():
+            layer = _layer(function)
+            by_layer[n][layer] = by_layer[n].get(layer, 0.0) + count
+    every = {la for n in names for la in by_layer[n]}
+    layers = sorted(every, key=lambda la: -max(by_layer[n].get(la, 0.0) for n in names))
+    print(f"{'layer':<40}" + "".join(f"{n[:12]:>13}" for n in names))
+    for la in layers:
+        print(f"{la:<40}" + "".join(f"{by_layer[n].get(la, 0.0):13.0f}" for n in names))
+    print(f"{'total':<40}" + "".join(f"{sum(ops[n].values()):13.0f}" for n in names))
     mine, other = ops["this tree"], ops.get("base", {})
     top = sorted(mine, key=lambda k: -mine[k])[: args.top]
     head = f"\n{'function (most instructions)':<62} {'this':>7}"
@@ -213,6 +263,7 @@ def main() -> None:
         "--opcodes", action="store_true", help="count bytecode instructions per request too"
     )
     p.add_argument("--opcode-requests", type=int, default=500, help="requests counted (slow)")
+    p.add_argument("--relay", action="store_true", help="count the bare aiohttp relay too")
     p.add_argument(
         "--ratelimit-headers",
         action="store_true",
