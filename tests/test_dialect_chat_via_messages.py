@@ -148,6 +148,36 @@ def test_the_request_is_written_as_a_messages_request() -> None:
     ]
 
 
+def test_consecutive_tool_results_join_one_user_turn_and_only_theirs() -> None:
+    def call(i: int) -> dict[str, Any]:
+        return {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+    def tool(i: int) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": f"c{i}", "content": f"r{i}"}
+
+    chat = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": None, "tool_calls": [call(i) for i in range(3)]},
+            *[tool(i) for i in range(3)],
+            {"role": "user", "content": "and then"},
+            tool(3),  # after a user's text: a turn of its own
+            {"role": "assistant", "content": "ok", "tool_calls": [call(4)]},
+            *[tool(i) for i in range(4, 2004)],  # many: each joins without a rescan
+        ],
+    }
+    turns = messages_request(chat)["messages"]
+    ids = [
+        [b.get("tool_use_id") for b in t["content"] if b["type"] == "tool_result"] for t in turns
+    ]
+    roles = ["user", "assistant", "user", "user", "user", "assistant", "user"]
+    assert [t["role"] for t in turns] == roles
+    assert ids[2] == ["c0", "c1", "c2"] and ids[4] == ["c3"]
+    assert ids[6] == [f"c{i}" for i in range(4, 2004)]
+    assert turns[3]["content"] == [{"type": "text", "text": "and then"}]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -173,6 +173,24 @@ def test_the_stream_becomes_messages_events_the_sdk_accepts(split: int) -> None:
     assert tally.usage is not None and tally.usage["completion_tokens"] == 9 and tally.done
 
 
+def test_one_delta_of_many_tool_calls_becomes_their_blocks_in_order() -> None:
+    calls = [
+        {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": f"f{i}"}}
+        for i in range(2000)
+    ] + [{"index": i, "function": {"arguments": f'{{"n": {i}}}'}} for i in range(2000)]
+    head = _chunk({"role": "assistant", "content": "a"})
+    stream = [head, _chunk({"tool_calls": calls}), _chunk({}, "tool_calls"), sse.DONE_EVENT]
+    events = _events(_read([b"".join(stream)])[0])
+    starts = [e for e in events if e["type"] == "content_block_start"]
+    assert [e["content_block"].get("id") for e in starts[1:]] == [f"call_{i}" for i in range(2000)]
+    args = [e for e in events if e["type"] == "content_block_delta"][1:]
+    assert [(e["index"], e["delta"]["partial_json"]) for e in args] == [
+        (i + 1, f'{{"n": {i}}}') for i in range(2000)
+    ]
+    ends = [e["type"] for e in events]
+    assert ends.count("content_block_start") == ends.count("content_block_stop") == 2001
+
+
 def test_a_slow_reader_gets_the_text_deltas_merged_with_the_same_text() -> None:
     pieces, _ = _read([b"".join(STREAM)])
     acc = Accumulator()

@@ -97,6 +97,10 @@ def messages_request(chat: dict[str, Any]) -> dict[str, Any]:
         raise _bad("response_format", "asks for structured output")
     system: list[str] = []
     messages: list[dict[str, Any]] = []
+    # The last message's blocks while they are a user turn of tool results only: results
+    # join it without looking at it again (looked at per result, 10,000 tool messages,
+    # the schema's bound, cost 2 s of CPU: benchmarks/hostile_cost.py).
+    results: list[dict[str, Any]] | None = None
     for m in chat.get("messages") or ():
         role = m.get("role")
         if role in ("system", "developer"):
@@ -123,14 +127,17 @@ def messages_request(chat: dict[str, Any]) -> dict[str, Any]:
                 "content": _text_of(m.get("content")),
             }
             last = messages[-1] if messages else None
-            if (
-                last is not None
-                and last["role"] == "user"
-                and all(b.get("type") == "tool_result" for b in last["content"])
-            ):
-                last["content"].append(result)  # one user turn holds all results of a turn
+            if last is not None and last["content"] is not results:
+                results = None  # another message came since: look at it, once
+                if last["role"] == "user" and all(
+                    b.get("type") == "tool_result" for b in last["content"]
+                ):
+                    results = last["content"]
+            if results is not None:
+                results.append(result)  # one user turn holds all results of a turn
             else:
-                messages.append({"role": "user", "content": [result]})
+                results = [result]
+                messages.append({"role": "user", "content": results})
         else:
             raise _bad("messages", f"has a message with role {role!r}")
     out: dict[str, Any] = {
