@@ -17,6 +17,7 @@ from tokenpipe.dialects import Piece
 from tokenpipe.dialects.openai_schema import parse as parse_request
 from tokenpipe.dialects.responses import ResponsesDialect
 from tokenpipe.dialects.responses_chat import ResponsesViaChat
+from tokenpipe.dialects.responses_output import OutputItem
 from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
 from tokenpipe.errors import GatewayError
 
@@ -371,3 +372,20 @@ def test_any_chat_stream_translates_without_a_crash(chunks: list[dict[str, Any]]
             break
     for event in parse(b"".join(out)):
         assert isinstance(event["sequence_number"], int)
+
+
+def test_an_output_items_text_is_its_deltas_in_order_however_many() -> None:
+    """A translated Response's item keeps its deltas in joined runs (responses_output.py):
+    read mid-stream, at its end, twice, or set whole, the text is the deltas in order."""
+    item = OutputItem("message", 0, "msg_1")
+    deltas = [f"{i}," for i in range(5000)]
+    for d in deltas[:2500]:
+        item.extend(d)
+    assert item.text == "".join(deltas[:2500])  # read mid-stream
+    for d in deltas[2500:]:
+        item.extend(d)
+    assert item.text == item.text == "".join(deltas)
+    assert item.part()["text"] == "".join(deltas)
+    item.text = "whole"
+    item.extend("!")
+    assert item.text == "whole!" and item.item("completed")["content"][0]["text"] == "whole!"

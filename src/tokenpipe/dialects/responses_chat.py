@@ -198,7 +198,7 @@ class _Translation(Dialect):
     def _text(self, out: list[bytes], text: str) -> dict[str, Any]:
         if self.message is None:
             self.message = self._open(out, "message", "msg_")
-        self.message.text += text
+        self.message.extend(text)
         return self.add(
             out,
             {
@@ -212,7 +212,7 @@ class _Translation(Dialect):
     def _reasoning(self, out: list[bytes], text: str) -> None:
         if self.reasoning is None:
             self.reasoning = self._open(out, "reasoning", "rs_")
-        self.reasoning.text += text
+        self.reasoning.extend(text)
         event = {"type": "response.reasoning_text.delta", **self._where(self.reasoning)}
         self.add(out, {**event, "delta": text})
 
@@ -232,7 +232,7 @@ class _Translation(Dialect):
             self.add(out, {**added, "item": item.item("in_progress")})
         args = function.get("arguments")
         if isinstance(args, str) and args:
-            item.text += args
+            item.extend(args)
             self.add(
                 out,
                 {

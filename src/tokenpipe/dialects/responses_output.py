@@ -39,18 +39,50 @@ def _detail(usage: dict[str, Any], group: str, name: str) -> int:
     return count(details.get(name)) if isinstance(details, dict) else 0
 
 
-class OutputItem:
-    """One output item: a message, a function call or reasoning."""
+#: Deltas an output item keeps apart before it joins them into one run of text.
+_RUN = 1024
 
-    __slots__ = ("call_id", "id", "index", "kind", "name", "text")
+
+class OutputItem:
+    """One output item: a message, a function call or reasoning.
+
+    Its text (or arguments, or reasoning) comes in deltas, kept as runs of up to _RUN
+    deltas joined once each, and joined whole when read (at the item's end). Added to a
+    str attribute one by one, it was copied whole by every delta: a 2M-character answer in
+    4-character deltas cost 91 s of CPU (benchmarks/hostile_cost.py)."""
+
+    __slots__ = ("_runs", "_tail", "call_id", "id", "index", "kind", "name")
 
     def __init__(self, kind: str, index: int, item_id: str) -> None:
         self.kind = kind  # message | function_call | reasoning
         self.index = index
         self.id = item_id
-        self.text = ""  # the text, arguments or reasoning so far
+        self._runs: list[str] = []  # the text so far: joined runs of deltas, then `_tail`
+        self._tail: list[str] = []
         self.call_id = ""
         self.name = ""
+
+    def extend(self, delta: str) -> None:
+        tail = self._tail
+        tail.append(delta)
+        if len(tail) >= _RUN:
+            self._runs.append("".join(tail))
+            tail.clear()
+
+    @property
+    def text(self) -> str:
+        """The text, arguments or reasoning so far."""
+        runs = self._runs
+        if self._tail:
+            runs.append("".join(self._tail))
+            self._tail.clear()
+        if len(runs) > 1:
+            runs[:] = ["".join(runs)]
+        return runs[0] if runs else ""
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._runs, self._tail = [value], []
 
     def part(self) -> dict[str, Any]:
         if self.kind == "reasoning":
