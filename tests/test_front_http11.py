@@ -369,6 +369,22 @@ def test_expect_100_continue_then_a_chunked_body_gets_the_completion(gw: procs.S
         assert w.answer().status == 200
 
 
+def test_a_body_in_two_byte_chunks_is_read_whole(gw: procs.Service) -> None:
+    """Pieces this small are buffered with their objects' overhead counted and joined as
+    read (a body of 2-byte chunks held ~20x its bytes as a list of pieces)."""
+    body = json.dumps({**CHAT, "user": "u" * 20000}).encode()
+    pieces = [body[i : i + 2] for i in range(0, len(body), 2)]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+    with Wire(gw.port) as w:
+        assert w.send(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + chunks
+            + b"0\r\n\r\n"
+        )
+        completion(w.answer())
+
+
 @pytest.mark.parametrize(
     "end", [b"0\r\nx-trailer: ", b"5;ext="], ids=["endless-trailer", "endless-chunk-extension"]
 )

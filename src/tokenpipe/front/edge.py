@@ -161,7 +161,9 @@ def _undecodable(e: Exception) -> GatewayError:
 
 
 async def _read_within_limit(request: Request, limit: int, inflate: _Inflate | None) -> bytes:
-    parts: list[bytes] = []
+    # One bytearray, not a list of the pieces: a body of 2-byte chunks held ~20x its bytes
+    # in objects (86 MiB for a 4 MiB body).
+    body = bytearray()
     size = 0
     while True:
         chunk = await request.readany()  # raises the connection's 400 for broken framing
@@ -177,12 +179,12 @@ async def _read_within_limit(request: Request, limit: int, inflate: _Inflate | N
                         f"Request body is over the limit of {limit} bytes.",
                         code="request_too_large",
                     )
-                parts.append(piece)
+                body += piece
         except zlib.error as e:
             raise _undecodable(e) from None
     if inflate is not None and not inflate.finished():
         raise _undecodable(EOFError("truncated"))
-    return b"".join(parts)
+    return bytes(body)
 
 
 def bound_client_buffers(request: Request, sndbuf: int) -> None:

@@ -22,8 +22,12 @@ if TYPE_CHECKING:
     from tokenpipe.observe.server_timing import Timing
 
 #: Bytes of a request body buffered before the connection stops reading its socket (resumed
-#: when the handler has read it down to half): a client cannot make the gateway buffer more.
+#: when the handler reads it: `readany` takes all that is buffered): a client cannot make
+#: the gateway buffer more.
 BODY_HIGH_WATER = 256 * 1024
+#: What a buffered piece of a body costs besides its bytes (a bytes object's header and its
+#: slot in the queue), counted against BODY_HIGH_WATER.
+PIECE_BYTES = 40
 #: Bytes of an unread body read and dropped after the answer before the connection closes
 #: (lingering close: closing with unread bytes makes the kernel reset the connection, which
 #: can destroy the answer, e.g. a 413, before the client has read it).
@@ -123,8 +127,8 @@ class Request:
         return self._eof
 
     async def readany(self) -> bytes:
-        """The next piece of the body as it arrived, b"" at its end; raises what ended it
-        (the connection's GatewayError for a body that broke the framing)."""
+        """What of the body has arrived and not been read, joined; b"" at its end; raises
+        what ended it (the connection's GatewayError for a body that broke the framing)."""
         while not self._chunks:
             if self._error is not None:
                 raise self._error
@@ -138,9 +142,11 @@ class Request:
                 await self._waiter
             finally:
                 self._waiter = None
-        chunk = self._chunks.popleft()
-        self._buffered -= len(chunk)
-        if self._paused and self._buffered * 2 <= BODY_HIGH_WATER:
+        chunks = self._chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused:
             self._paused = False
             self.conn.resume_body()
         return chunk
@@ -151,7 +157,9 @@ class Request:
         if self.discarding:
             return
         self._chunks.append(data)
-        self._buffered += len(data)
+        # Each piece counts its object's overhead too: a body of 2-byte chunks held ~20x
+        # its bytes in objects (PIECE_BYTES: the size of a small bytes object and its slot).
+        self._buffered += len(data) + PIECE_BYTES
         if self._buffered > BODY_HIGH_WATER and not self._paused:
             self._paused = True
             self.conn.pause_body()
