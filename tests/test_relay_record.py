@@ -56,3 +56,15 @@ def test_a_record_leaves_the_buffer_gauge_when_its_stream_closes() -> None:
     assert parser.texts() == [] and Record.total_bytes == before  # its part is back to 0
     parser.close()  # twice changes nothing
     assert Record.total_bytes == before
+
+
+def test_empty_deltas_count_so_a_record_of_them_is_bounded_too() -> None:
+    """A reasoning or tool-call delta records the text "" (a token for the continuation's
+    remainder): each counts 1 against the bound, so endless ones end the record as text
+    does instead of growing its list without bound."""
+    before = Record.total_bytes
+    record = Record()
+    assert record.add(["", "ab", ""]) and record.size == 4
+    assert record.add([""] * (RECORD_MAX_BYTES - 4)) and len(record.texts) == RECORD_MAX_BYTES - 1
+    assert not record.add([""])  # past the bound: spent
+    assert record.texts == [] and record.size == 0 and Record.total_bytes == before

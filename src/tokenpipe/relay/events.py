@@ -27,10 +27,13 @@ class Record:
         self.size = 0
 
     def add(self, parts: list[str]) -> bool:
-        """Keeps `parts`; False when that would pass the bound (the record is then spent)."""
+        """Keeps `parts`; False when that would pass the bound (the record is then spent).
+        An empty text (a reasoning or tool-call delta) counts as 1: it is a token for the
+        continuation's remainder, and counted as 0 an upstream's endless empty deltas grew
+        the list without bound."""
         grow = 0
         for p in parts:
-            grow += len(p)
+            grow += len(p) or 1
         if self.size + grow > RECORD_MAX_BYTES:
             self.clear()
             metrics.RECOVERY_RECORD_DROPPED.inc()
