@@ -1,0 +1,142 @@
+"""What input that grows costs the gateway where a peer controls its shape: CPU seconds for
+size n and 2n of each case, this tree and, with `--base-src`, another checkout's, side by
+side in one run. Work that is linear in its input takes ~2x for 2n; ~4x means it is
+quadratic, which a client or an upstream turns into seconds of a blocked event loop.
+
+    python benchmarks/hostile_cost.py                          # ~10 s
+    python benchmarks/hostile_cost.py --base-src ../base/src   # before/after, ~2 min
+
+The cases, each run in a child process of its target (PYTHONPATH=its src), rounds
+interleaved, medians:
+- `sse event`: one SSE event of n MiB from the upstream, in 1 KiB reads (sse.py);
+- `tool calls`: one chat delta with n tool calls, to an Anthropic Messages client
+  (dialects/messages_via_chat.py);
+- `tool results`: a chat request of n consecutive tool messages, to an Anthropic upstream
+  (dialects/messages_request.py);
+- `responses text`: n characters of answer in 4-character deltas, to a Responses client
+  on a chat upstream (dialects/responses_chat.py).
+JSON in results/hostile_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from _common import ROOT, src_dir, write_json
+
+#: (case, n): each is also run at 2n.
+CASES = {
+    "sse event": 1 << 20,
+    "tool calls": 2000,
+    "tool results": 10000,
+    "responses text": 250_000,
+}
+
+_CHILD = r"""
+import json, sys, time
+import orjson
+from tokenpipe import sse
+from tokenpipe.relay.events import EventParser
+from tokenpipe.relay.tally import StreamTally
+
+def chunk(delta):
+    obj = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+           "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    return sse.encode(orjson.dumps(obj))
+
+def parser(dialect):
+    return EventParser(StreamTally("u", "m", 0.0), False, dialect)
+
+def sse_event(n):
+    data = b"data: " + b"a" * (n - 8) + b"\n\n"
+    reads = [data[i : i + 1024] for i in range(0, len(data), 1024)]
+    d = sse.SSEDecoder(max_event_bytes=n)
+    t = time.process_time()
+    events = [e for r in reads for e in d.feed(r)]
+    assert len(events) == 1
+    return time.process_time() - t
+
+def tool_calls(n):
+    from tokenpipe.dialects.messages_via_chat import MessagesViaChat
+    req = {"model": "m", "max_tokens": 10, "stream": True,
+           "messages": [{"role": "user", "content": "hi"}]}
+    calls = [{"index": i, "id": f"c{i}", "type": "function",
+              "function": {"name": "f", "arguments": "{}"}} for i in range(n)]
+    body = chunk({"role": "assistant", "content": ""}) + chunk({"tool_calls": calls})
+    p = parser(MessagesViaChat(req))
+    t = time.process_time()
+    assert p.feed(body)
+    return time.process_time() - t
+
+def tool_results(n):
+    from tokenpipe.dialects.messages_request import messages_request
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+             for i in range(n)]
+    chat = {"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        *({"role": "tool", "tool_call_id": f"c{i}", "content": "r"} for i in range(n))]}
+    t = time.process_time()
+    out = messages_request(chat)
+    assert len(out["messages"][2]["content"]) == n
+    return time.process_time() - t
+
+def responses_text(n):
+    from tokenpipe.dialects.responses_chat import ResponsesViaChat
+    p = parser(ResponsesViaChat({"model": "m", "input": "hi", "stream": True}).for_stream())
+    events = [chunk({"role": "assistant", "content": ""})]
+    events += [chunk({"content": "abcd"})] * (n // 4)
+    t = time.process_time()
+    for e in events:
+        p.feed(e)
+    return time.process_time() - t
+
+case, n = sys.argv[1], int(sys.argv[2])
+fn = {"sse event": sse_event, "tool calls": tool_calls, "tool results": tool_results,
+      "responses text": responses_text}[case]
+print(json.dumps(fn(n)))
+"""
+
+
+def _run(src: str, case: str, n: int) -> float:
+    env = {**os.environ, "PYTHONPATH": src}
+    argv = [sys.executable, "-c", _CHILD, case, str(n)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    return float(json.loads(done.stdout))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--base-src", type=src_dir, help="src/ of another checkout, measured too")
+    p.add_argument("--json", default=str(ROOT / "results" / "hostile_cost.json"))
+    args = p.parse_args()
+    targets = {"this tree": str(ROOT / "src")}
+    if args.base_src:
+        targets["base"] = args.base_src
+    runs = [(t, c, m * n) for c, n in CASES.items() for m in (1, 2) for t in targets]
+    seconds: dict[tuple[str, str, int], list[float]] = {r: [] for r in runs}
+    for i in range(args.rounds):
+        print(f"  round {i + 1}/{args.rounds}", flush=True)
+        for target, case, n in runs:
+            seconds[(target, case, n)].append(_run(targets[target], case, n))
+    med = {r: statistics.median(v) for r, v in seconds.items()}
+    print("\nCPU seconds for n and 2n (median), and their ratio (2: linear, 4: quadratic)")
+    print(f"{'case':<16}{'n':>10} {'target':<11}{'n':>10}{'2n':>10}{'2n/n':>7}")
+    rows = []
+    for case, n in CASES.items():
+        for target in targets:
+            one, two = med[(target, case, n)], med[(target, case, 2 * n)]
+            ratio = two / one if one > 0 else float("nan")
+            print(f"{case:<16}{n:>10} {target:<11}{one:>10.3f}{two:>10.3f}{ratio:>7.1f}")
+            rows.append({"case": case, "n": n, "target": target, "n_s": one, "2n_s": two})
+    write_json(args.json, "hostile_cost", args, rows=rows)
+
+
+if __name__ == "__main__":
+    main()
