@@ -230,6 +230,23 @@ async def test_bad_answer_is_a_protocol_error(answer: bytes) -> None:
             await pool.request(_get_head(), b"", 5.0)
 
 
+def _endless(head: bytes, closed: asyncio.Event) -> Handler:
+    """An upstream that answers `head`, then 4 MiB of "a" in 16 KiB writes (a line that never
+    ends), then silence; `closed` is set when the client has closed the connection."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_head(reader)
+        writer.write(head)
+        with contextlib.suppress(ConnectionError):  # the client's abort: a reset
+            for _ in range(256):
+                writer.write(b"a" * 16384)
+                await writer.drain()
+            await reader.read()  # returns when the client closes its end
+        closed.set()
+
+    return handle
+
+
 @pytest.mark.parametrize("start", [b"x-big: ", b"x-"], ids=["endless-value", "endless-name"])
 async def test_endless_header_is_cut_at_the_head_bound(start: bytes) -> None:
     """A header that never ends: the parser library joins its pieces until the line ends,
@@ -237,18 +254,8 @@ async def test_endless_header_is_cut_at_the_head_bound(start: bytes) -> None:
     (a protocol error, the connection closed), not at the request's timeout (30 s here)
     after the upstream sent as much as it liked."""
     closed = asyncio.Event()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_head(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n" + start)
-        with contextlib.suppress(ConnectionError):  # the client's abort: a reset
-            for _ in range(256):  # 4 MiB in 16 KiB writes, then silence
-                writer.write(b"a" * 16384)
-                await writer.drain()
-            await reader.read()  # returns when the client closes its end
-        closed.set()
-
-    async with pool_for(handle) as pool:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n" + start
+    async with pool_for(_endless(head, closed)) as pool:
         with pytest.raises(h1.UpstreamProtocolError, match="head too large"):
             await pool.request(_get_head(), b"", 30.0)
         await asyncio.wait_for(closed.wait(), 10.0)
@@ -265,18 +272,8 @@ async def test_endless_framing_after_the_head_is_cut(start: bytes) -> None:
     before them delivered, the connection closed; not a wait for the request's timeout
     while the parser binding joins the trailer's pieces."""
     closed = asyncio.Event()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_head(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + start)
-        with contextlib.suppress(ConnectionError):  # the client's abort: a reset
-            for _ in range(256):  # 4 MiB in 16 KiB writes, then silence
-                writer.write(b"a" * 16384)
-                await writer.drain()
-            await reader.read()  # returns when the client closes its end
-        closed.set()
-
-    async with pool_for(handle) as pool:
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + start
+    async with pool_for(_endless(head, closed)) as pool:
         resp = await pool.request(_get_head(), b"", 30.0)
         received = b""
         with pytest.raises(h1.UpstreamProtocolError, match="nothing"):
