@@ -12,15 +12,19 @@ import orjson
 import pytest
 import uvloop
 from aiohttp import web
+from multidict import CIMultiDict
 from yarl import URL
 
 from tests import procs
 from tests.local_app import serving
+from tests.scripted_upstream import FakeConn
 from tokenpipe import sse
 from tokenpipe.settings import UpstreamSettings
 from tokenpipe.upstream import connection, h1
+from tokenpipe.upstream import response as response_mod
 from tokenpipe.upstream.errors import UpstreamDisconnected, UpstreamUnreachable
 from tokenpipe.upstream.http import HttpUpstream
+from tokenpipe.upstream.response import UpstreamResponse
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 STREAM_BODY = {
@@ -511,3 +515,24 @@ def test_a_new_connection_has_no_delay_and_the_bounded_receive_buffer(loop_kind:
     # Linux doubles what is set, for its bookkeeping; unset, it starts at tcp_rmem's default
     # (128 KiB and more) and grows.
     assert BUF <= rcvbuf <= 2 * BUF
+
+
+async def test_tiny_body_pieces_count_their_overhead_and_read_back_whole() -> None:
+    """A body in 2-byte pieces: each counts its object's overhead against the watermarks
+    (the connection pauses after ~3,000 of them, not 64k: ~20x their bytes as objects), and
+    reading drains it in order, resuming the connection below the low watermark."""
+    conn = FakeConn()
+    resp = UpstreamResponse(conn, 200, CIMultiDict(), None)  # type: ignore[arg-type]
+    fed = 0
+    while not conn.paused:
+        resp._feed(b"%02d" % (fed % 100))
+        fed += 1
+    per = 2 + response_mod.PIECE_BYTES
+    assert fed == response_mod.HIGH_WATER // per + 1
+    body = await resp.readany()  # all of it: fewer bytes than a read's most
+    assert not conn.paused  # drained below the low watermark: reading resumes
+    resp._feed(b"!")
+    resp._end(None)
+    while chunk := await resp.readany():
+        body += chunk
+    assert body == b"".join(b"%02d" % (i % 100) for i in range(fed)) + b"!"

@@ -24,6 +24,9 @@ LOW_WATER = 64 * 1024
 #: Most bytes one `readany()` returns: what was buffered, merged, up to this much (the relay's
 #: bounds count one read on top of its watermark).
 READ_MAX = 64 * 1024
+#: What a buffered piece costs besides its bytes (a bytes object's header and its slot),
+#: counted against the watermarks: 2-byte pieces held ~20x their bytes as objects.
+PIECE_BYTES = 40
 
 Taker = Callable[[bytes], bool]
 
@@ -82,7 +85,7 @@ class UpstreamResponse:
         if taker is not None and not self._buffer and taker(data):
             return
         self._buffer.append(data)
-        self._size += len(data)
+        self._size += len(data) + PIECE_BYTES
         if self._size > HIGH_WATER and self._conn is not None:
             self._conn.pause()
         self._wake()
@@ -155,18 +158,21 @@ class UpstreamResponse:
         if self._size <= READ_MAX:
             data = buffer.popleft() if len(buffer) == 1 else b"".join(buffer)
             buffer.clear()
+            self._size = 0
         else:
             parts: list[bytes] = []
             n = 0
-            while n < READ_MAX:
+            while n < READ_MAX and buffer:
                 chunk = buffer.popleft()
                 if n + len(chunk) > READ_MAX:
-                    buffer.appendleft(chunk[READ_MAX - n :])
+                    buffer.appendleft(chunk[READ_MAX - n :])  # a piece still: its overhead stays
                     chunk = chunk[: READ_MAX - n]
+                else:
+                    self._size -= PIECE_BYTES
                 parts.append(chunk)
                 n += len(chunk)
             data = b"".join(parts)
-        self._size -= len(data)
+            self._size -= len(data)
         if self._conn is not None and self._size < LOW_WATER:
             self._conn.resume()
         return data
