@@ -50,7 +50,12 @@ async def test_ttft_and_itl_match_the_sims_configured_timing(paced):
     )
     base_ms = min((rec.ttft or 0) for rec in base.records) * 1000
     fastest_ms = min((rec.ttft or 0) for rec in r.records) * 1000
-    assert abs(fastest_ms - base_ms - 100) <= 2
+    # What the base does not pay: the sim's 100-ms timer (libuv's ms granularity: up to
+    # 1 ms early) and the wake-ups of two processes idle that long, 2-6 ms on a loaded VM
+    # (measured: the fastest of 8 was 2.2-5.9 ms late on both the tree and its parent on
+    # one afternoon). Under one 10-ms gap: a first token taken at the wrong event (the
+    # role chunk, or the second token) is still off by 10 ms or more.
+    assert -1 <= fastest_ms - base_ms - 100 <= 8, (fastest_ms, base_ms)
     assert 100 <= s["ttft_ms"]["p50"] <= 100 + base_ms + 10
     assert s["itl_token_ms"]["p50"] == pytest.approx(10, rel=0.05)
     assert s["itl_chunk_ms"]["p50"] == pytest.approx(10, rel=0.05)
