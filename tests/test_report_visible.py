@@ -174,9 +174,13 @@ def test_doctor_draws_the_gateways_phases_inside_its_waterfall(
     assert first_w == pytest.approx(ph["server_upstream_first_token"] * px, rel=0.03, abs=1)
     # Placed where they ran: the queue inside the client's wait for headers (the gateway's
     # phases before it take well under a pixel), the upstream's first token after it, where
-    # the client's own first_token phase starts.
+    # the client's own first_token phase starts, up to 20 ms after it: the answer's head on
+    # its way to the client (its write, the client's wake-up: 6-11 ms on a loaded VM, where
+    # 3 px failed 2 runs in 3 on this tree and its parent alike). A phase drawn out of
+    # place is off by the 300-ms queue or more.
     assert queue_x == pytest.approx(rects["headers"][0], abs=2)
-    assert first_x == pytest.approx(rects["first_token"][0], abs=3)
+    client_first = rects["first_token"][0]
+    assert client_first - max(3, 20 * px) <= first_x <= client_first + 3
     # On screen, in their colours and proportions.
     x, y, w, h = boxes["plot-waterfall"]
     area = (x + PAD_L, y + PAD_T, w - PAD_L, h - PAD_T - PAD_B)
