@@ -29,11 +29,9 @@ import operator
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any, Protocol
 
 import httptools
-from multidict import CIMultiDict
 
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.wire import (
@@ -44,6 +42,7 @@ from tokenpipe.front.wire import (
     head_bytes,
     json_response,
 )
+from tokenpipe.http_fields import decoded
 from tokenpipe.rejections import LogBudget
 
 log = logging.getLogger("tokenpipe.front")
@@ -54,8 +53,6 @@ MAX_HEADERS = 128
 MAX_PIPELINED = 16
 #: Seconds an unread body is read and dropped after the answer, before the close.
 LINGER_SECONDS = 2.0
-#: bytes -> str for header names and values, called from C (no bytecode a header).
-_latin1 = partial(bytes.decode, encoding="latin-1")
 
 Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
 #: Called after each answer: (request, status, seconds taken).
@@ -213,7 +210,7 @@ class HttpConnection(asyncio.Protocol):
             parser.get_method().decode("ascii", "replace"),
             self._url.decode("latin-1"),
             parser.get_http_version(),
-            CIMultiDict(zip(map(_latin1, names), map(_latin1, values), strict=True)),
+            decoded(names, values),
             parser.should_keep_alive() and parser.get_http_version() == "1.1",
         )
         self._parsing = request

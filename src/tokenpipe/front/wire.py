@@ -18,6 +18,8 @@ from urllib.parse import parse_qsl, unquote
 
 from multidict import CIMultiDict, MultiDict
 
+from tokenpipe.http_fields import PIECE_BYTES
+
 if TYPE_CHECKING:
     from tokenpipe.observe.server_timing import Timing
 
@@ -25,9 +27,6 @@ if TYPE_CHECKING:
 #: when the handler reads it: `readany` takes all that is buffered): a client cannot make
 #: the gateway buffer more.
 BODY_HIGH_WATER = 256 * 1024
-#: What a buffered piece of a body costs besides its bytes (a bytes object's header and its
-#: slot in the queue), counted against BODY_HIGH_WATER.
-PIECE_BYTES = 40
 #: Bytes of an unread body read and dropped after the answer before the connection closes
 #: (lingering close: closing with unread bytes makes the kernel reset the connection, which
 #: can destroy the answer, e.g. a 413, before the client has read it).
@@ -157,8 +156,7 @@ class Request:
         if self.discarding:
             return
         self._chunks.append(data)
-        # Each piece counts its object's overhead too: a body of 2-byte chunks held ~20x
-        # its bytes in objects (PIECE_BYTES: the size of a small bytes object and its slot).
+        # Each piece counts its object's overhead too (PIECE_BYTES).
         self._buffered += len(data) + PIECE_BYTES
         if self._buffered > BODY_HIGH_WATER and not self._paused:
             self._paused = True

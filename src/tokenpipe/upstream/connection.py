@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from functools import partial
 from typing import Protocol, cast
 
 import httptools
-from multidict import CIMultiDict
 
+from tokenpipe.http_fields import decoded
 from tokenpipe.upstream.errors import UpstreamDisconnected, UpstreamProtocolError
 from tokenpipe.upstream.response import UpstreamResponse
 
@@ -26,8 +25,6 @@ from tokenpipe.upstream.response import UpstreamResponse
 MAX_HEAD_BYTES = 64 * 1024
 #: Most header lines in a response head (OpenAI answers with ~25); more is a protocol error.
 MAX_HEADERS = 256
-#: bytes -> str for header names and values, called from C (no bytecode a header).
-_latin1 = partial(bytes.decode, encoding="latin-1")
 #: A response let go after its last event (`finish`) may still owe the end of its framing
 #: (the chunked body's last chunk): it is read for at most this long and this many bytes, then
 #: the connection goes back to the pool, or is closed if either bound is passed. Upstreams
@@ -156,8 +153,7 @@ class Connection(asyncio.Protocol):
             self._informational = True
             return
         self._in_head = False
-        names, values = map(_latin1, fields[::2]), map(_latin1, fields[1::2])
-        headers = CIMultiDict(zip(names, values, strict=True))
+        headers = decoded(fields[::2], fields[1::2])
         head = self._head
         resp = UpstreamResponse(self, self.parser.get_status_code(), headers, self._timeout)
         self._resp = resp

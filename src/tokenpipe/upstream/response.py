@@ -15,6 +15,7 @@ from typing import Protocol
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from tokenpipe.clock import Timeout
+from tokenpipe.http_fields import PIECE_BYTES
 from tokenpipe.upstream.errors import UpstreamTimeout
 
 #: Buffered body bytes above which the socket stops being read, and below which it resumes
@@ -24,9 +25,6 @@ LOW_WATER = 64 * 1024
 #: Most bytes one `readany()` returns: what was buffered, merged, up to this much (the relay's
 #: bounds count one read on top of its watermark).
 READ_MAX = 64 * 1024
-#: What a buffered piece costs besides its bytes (a bytes object's header and its slot),
-#: counted against the watermarks: 2-byte pieces held ~20x their bytes as objects.
-PIECE_BYTES = 40
 
 Taker = Callable[[bytes], bool]
 
