@@ -5,7 +5,9 @@ Why not aiohttp's web server (which the engines still use): its request object, 
 chain, router and `StreamResponse` machinery cost ~95 us of CPU per request, 22% of the
 gateway's (benchmarks/profile_request.py, pinned); a request here is one parser callback set,
 one small object and one write per answer. uvicorn's httptools protocol is the same idea
-behind ASGI's message dicts, which this path would pay for twice (docs/performance.md).
+behind ASGI's message dicts. The same SSE answer under wrk (benchmarks/front_servers.py,
+2026-12-06): this server 32 us of CPU a request, uvicorn's 1.12x, Granian's RSGI (Rust)
+1.33x, aiohttp's 2.15x (docs/performance.md).
 
 Bounds (each answered with a JSON 414 or 431 that echoes nothing, then the connection
 closes; other unparsable requests get a 400 alike):

@@ -1,0 +1,103 @@
+"""nginx as a mock upstream that costs next to nothing: every POST gets the same recorded SSE
+answer, `GET /v1/models` the recorded model list (`return 200 '...'`, no file, no proxy).
+A benchmark that wants the gateway's own CPU puts this behind it instead of the sim, whose
+Python would share the 2 cores with it. Debian: `apt-get install nginx-light`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from _common import free_port
+
+
+def binary() -> str | None:
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
+    )
+
+
+def record(sim_url: str, max_tokens: int = 1) -> tuple[bytes, bytes]:
+    """(the sim's streamed answer to a chat request as the gateway sends it, usage asked
+    for; its /v1/models), as bytes to replay."""
+    body = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "hello " * 24}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        sim_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        answer = r.read()
+    with urllib.request.urlopen(sim_url + "/v1/models", timeout=30) as r:
+        models = r.read()
+    return answer, models
+
+
+def _quoted(data: bytes) -> str:
+    """`data` as an nginx quoted string. `$` would be read as a variable: refused."""
+    text = data.decode()
+    if "$" in text:
+        raise ValueError("the recorded answer holds a '$', which nginx would expand")
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+    return "'" + escaped.replace("\r", "\\r") + "'"
+
+
+@contextlib.contextmanager
+def mock_upstream(answer: bytes, models: bytes) -> Iterator[str]:
+    """A one-process nginx on loopback serving `answer` (text/event-stream) to every request
+    but `GET /v1/models` (`models`, JSON). Yields its base URL (no /v1)."""
+    exe = binary()
+    if exe is None:
+        raise RuntimeError("nginx is not installed (Debian: apt-get install nginx-light)")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="tokenpipe-nginx-") as tmp:
+        conf = Path(tmp) / "nginx.conf"
+        temps = " ".join(
+            f"{kind}_temp_path {tmp}/{kind};"
+            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        conf.write_text(
+            f"""daemon off; master_process off; worker_processes 1;
+pid {tmp}/nginx.pid; error_log {tmp}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off; keepalive_requests 10000000; keepalive_timeout 300s; {temps}
+  server {{
+    listen 127.0.0.1:{port};
+    location = /v1/models {{ default_type application/json; return 200 {_quoted(models)}; }}
+    location / {{ default_type text/event-stream; return 200 {_quoted(answer)}; }}
+  }}
+}}
+"""
+        )
+        proc = subprocess.Popen([exe, "-p", tmp, "-c", str(conf)], stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    raise RuntimeError(f"nginx did not start: {err}")
+                time.sleep(0.05)  # nginx's start, polled with a deadline
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -1,0 +1,112 @@
+"""CPU per 1-token request of the gateway with nothing else on the cores: wrk (C) as the
+client and nginx (C) as the upstream, replaying the sim's own 1-token answer (`_nginx.py`),
+so the figure is the gateway's own cost, as the compiled gateways' published figures are
+taken against a loopback mock. The bare aiohttp relay in the same run; rounds interleaved.
+
+    python benchmarks/request_cpu.py                     # ~1.5 min; needs wrk and nginx
+    python benchmarks/request_cpu.py --rounds 7 --features-off --base-src ../base/src
+
+`relay_cost.py` measures the same request with the sim and a Python load generator on the
+same 2 cores. Their CPU crowds the gateway's (caches, wake-ups), so its figures are higher
+and its ratios narrower; this one is the request path alone. With `--features-off`, the
+gateway with every optional layer off is a target too: the request path's plumbing. The
+table's "x relay" is the median of each round's ratio, with their range. JSON in
+results/request_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+from typing import Any
+
+import _nginx
+import _wrk
+from _common import (
+    ROOT,
+    bare_relay,
+    cpu_seconds,
+    features_off_config,
+    gateway,
+    src_dir,
+    write_json,
+)
+
+from tokenpipe.bench.procs import Service
+
+
+def _measure(svc: Service, seconds: float, connections: int) -> tuple[float, float]:
+    """(CPU microseconds of the serving process per request, requests/s) of one wrk run."""
+    before = cpu_seconds(svc.pid)
+    n, bad = _wrk.run(svc.url + "/v1/chat/completions", seconds, connections)
+    if bad:
+        raise RuntimeError(f"{bad} of {n} answers were not 2xx")
+    return (cpu_seconds(svc.pid) - before) / max(n, 1) * 1e6, n / seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=5.0, help="wrk's run per target a round")
+    p.add_argument("--connections", type=int, default=32, help="wrk's keep-alive connections")
+    p.add_argument("--features-off", action="store_true", help="+ tokenpipe, layers off")
+    p.add_argument("--base-src", type=src_dir, help="+ tokenpipe from another src/")
+    p.add_argument("--json", default=str(ROOT / "results" / "request_cpu.json"))
+    args = p.parse_args()
+    if not _wrk.available() or _nginx.binary() is None:
+        p.error("needs wrk and nginx (Debian: apt-get install wrk nginx-light)")
+    with contextlib.ExitStack() as stack:
+        sim = stack.enter_context(Service("sim", "--port", "0", name="sim"))
+        answer, models = _nginx.record(sim.url)
+        sim.stop()  # nothing of it runs beside the targets
+        upstream = stack.enter_context(_nginx.mock_upstream(answer, models))
+        targets: dict[str, Service] = {"tokenpipe": stack.enter_context(gateway(upstream))}
+        if args.features_off:
+            off = gateway(upstream, config=features_off_config())
+            targets["tokenpipe-off"] = stack.enter_context(off)
+        if args.base_src:
+            targets["tokenpipe-base"] = stack.enter_context(gateway(upstream, src=args.base_src))
+        targets["bare-relay"] = stack.enter_context(bare_relay(upstream))
+        for svc in targets.values():  # warm-up: connections, caches, estimators
+            _measure(svc, 2, args.connections)
+        us: dict[str, list[float]] = {name: [] for name in targets}
+        rps: dict[str, list[float]] = {name: [] for name in targets}
+        names = list(targets)
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                cost, rate = _measure(targets[name], args.seconds, args.connections)
+                us[name].append(cost)
+                rps[name].append(rate)
+            print(f"  round {r + 1}/{args.rounds}", flush=True)
+    print(f"\n1-token chat requests, {len(answer)}-byte answer, wrk {args.connections} conns")
+    rows = _table(us, rps)
+    write_json(args.json, "request_cpu", args, rows=rows)
+
+
+def _table(us: dict[str, list[float]], rps: dict[str, list[float]]) -> list[dict[str, Any]]:
+    relay = us["bare-relay"]
+    print(f"{'target':<16}{'us/request':>11}{'rounds':>10}{'x relay':>18}{'req/s':>8}")
+    rows = []
+    for name, values in us.items():
+        ratios = [a / b for a, b in zip(values, relay, strict=True)]
+        med = statistics.median(values)
+        spread = f"{min(values):.0f}-{max(values):.0f}"
+        ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(f"{name:<16}{med:>11.0f}{spread:>10}{ratio:>18}{statistics.median(rps[name]):>8.0f}")
+        rows.append(
+            {
+                "target": name,
+                "us_per_request": med,
+                "rounds_us_per_request": values,
+                "x_relay_per_round": ratios,
+                "requests_per_s": statistics.median(rps[name]),
+            }
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
