@@ -14,7 +14,9 @@ interleaved, medians:
 - `tool results`: a chat request of n consecutive tool messages, to an Anthropic upstream
   (dialects/messages_request.py);
 - `responses text`: n characters of answer in 4-character deltas, to a Responses client
-  on a chat upstream (dialects/responses_chat.py).
+  on a chat upstream (dialects/responses_chat.py);
+- `pool waiters`: n requests waiting for a full upstream pool's connection, then given up
+  newest first, as clients that disconnect together (upstream/h1.py).
 JSON in results/hostile_cost.json.
 """
 
@@ -35,6 +37,7 @@ CASES = {
     "tool calls": 2000,
     "tool results": 10000,
     "responses text": 250_000,
+    "pool waiters": 10_000,
 }
 
 _CHILD = r"""
@@ -96,9 +99,33 @@ def responses_text(n):
         p.feed(e)
     return time.process_time() - t
 
+def pool_waiters(n):
+    import asyncio
+    from yarl import URL
+    from tokenpipe.upstream.h1 import Pool
+
+    async def run():
+        async def hold(reader, writer):
+            await reader.read()
+        server = await asyncio.start_server(hold, "127.0.0.1", 0)
+        pool = Pool(URL(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"), limit=1,
+                    connect_timeout=5.0)
+        await pool._acquire()  # the only connection, held
+        tasks = [asyncio.create_task(pool._acquire()) for _ in range(n)]
+        await asyncio.sleep(0)  # each one runs to its wait
+        t = time.process_time()
+        for task in reversed(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        spent = time.process_time() - t
+        pool.close()
+        server.close()
+        return spent
+    return asyncio.run(run())
+
 case, n = sys.argv[1], int(sys.argv[2])
 fn = {"sse event": sse_event, "tool calls": tool_calls, "tool results": tool_results,
-      "responses text": responses_text}[case]
+      "responses text": responses_text, "pool waiters": pool_waiters}[case]
 print(json.dumps(fn(n)))
 """
 

@@ -536,3 +536,39 @@ async def test_tiny_body_pieces_count_their_overhead_and_read_back_whole() -> No
     while chunk := await resp.readany():
         body += chunk
     assert body == b"".join(b"%02d" % (i % 100) for i in range(fed)) + b"!"
+
+
+async def test_waiters_given_up_stay_bounded_and_the_rest_keep_their_turn() -> None:
+    """A full pool's waiters given up (newest first, the costliest order to find them in)
+    are cancelled where they stand and skipped, the queue holds at most twice the live
+    waiters, and the connection still goes to the live ones in arrival order."""
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    async with raw_server(hold) as url:
+        pool = _pool(url, limit=1)
+        try:
+            held = await pool._acquire()  # the only connection
+            served: list[int] = []
+
+            async def wait(i: int) -> None:
+                conn = await pool._acquire()
+                served.append(i)
+                pool.put_back(conn)
+
+            tasks = [asyncio.create_task(wait(i)) for i in range(1000)]
+            await asyncio.sleep(0)  # each task runs to its wait (one loop pass, no timing)
+            assert len(pool._waiters) == 1000
+            live = tasks[::10]
+            given_up = [t for t in tasks if t not in live]
+            for task in reversed(given_up):
+                task.cancel()
+            await asyncio.gather(*given_up, return_exceptions=True)
+            assert all(t.cancelled() for t in given_up)
+            assert len(pool._waiters) <= 2 * len(live)
+            pool.put_back(held)
+            await asyncio.wait_for(asyncio.gather(*live), 10)
+            assert served == list(range(0, 1000, 10))
+        finally:
+            pool.close()
