@@ -130,6 +130,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_listening(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Returns once 127.0.0.1:`port` accepts a connection. Raises RuntimeError past `timeout`
+    seconds, or once `proc` (the server) has ended. A server's start is not signalled, so
+    it is polled."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+            raise RuntimeError(f"nothing listens on port {port}")
+        time.sleep(0.05)  # a server's start, polled with a deadline
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL past `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def fmt(v: float | None, width: int, digits: int = 2) -> str:
     """A table cell: the number, or '-' where there is none (e.g. no ITL in 1-chunk streams)."""
     return f"{'-':>{width}}" if v is None else f"{v:{width}.{digits}f}"

@@ -8,15 +8,13 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from _common import free_port
+from _common import free_port, stop, wait_listening
 
 
 def binary() -> str | None:
@@ -86,18 +84,11 @@ http {{
         )
         proc = subprocess.Popen([exe, "-p", tmp, "-c", str(conf)], stderr=subprocess.PIPE)
         try:
-            deadline = time.monotonic() + 10
-            while True:
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                    raise RuntimeError(f"nginx did not start: {err}")
-                time.sleep(0.05)  # nginx's start, polled with a deadline
+            try:
+                wait_listening(port, 10, proc)
+            except RuntimeError:
+                err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr else ""
+                raise RuntimeError(f"nginx did not start: {err}") from None
             yield f"http://127.0.0.1:{port}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, 5)

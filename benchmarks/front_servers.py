@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import _wrk
-from _common import ROOT, cpu_seconds, free_port, write_json
+from _common import ROOT, cpu_seconds, free_port, stop, wait_listening, write_json
 
 VENV = ROOT / ".cache" / "front-servers-venv"
 PEERS = ("granian", "uvicorn", "uvloop", "httptools")
@@ -69,17 +67,6 @@ def _argv(name: str, port: int, peer_py: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _listening(port: int, timeout: float = 30.0) -> None:
-    """Returns once 127.0.0.1:`port` accepts (polled: a server's start is not signalled)."""
-    end = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-            return
-        if time.monotonic() > end:
-            raise SystemExit(f"nothing listens on {port} after {timeout:.0f} s")
-        time.sleep(0.1)
-
-
 def _url(port: int) -> str:
     return f"http://127.0.0.1:{port}/v1/chat/completions"
 
@@ -94,17 +81,12 @@ def _servers(names: list[str], peer_py: Path | None) -> Iterator[dict[str, tuple
             port = free_port()
             argv = _argv(name, port, peer_py or Path(sys.executable))
             procs[name] = (subprocess.Popen(argv, cwd=HERE, env=env), port)
-        for _, port in procs.values():
-            _listening(port)
+        for p, port in procs.values():
+            wait_listening(port, 30, p)
         yield {name: (p.pid, port) for name, (p, port) in procs.items()}
     finally:
         for p, _ in procs.values():
-            p.terminate()
-        for p, _ in procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop(p)
 
 
 def main() -> None:
