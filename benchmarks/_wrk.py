@@ -4,12 +4,14 @@ does not leave it. Debian: `apt-get install wrk`."""
 
 from __future__ import annotations
 
-import os
 import re
+import shutil
+import statistics
 import subprocess
 from pathlib import Path
+from typing import Any
 
-from _common import ROOT
+from _common import ROOT, cpu_seconds
 
 _PROMPT = ("hello " * 24).strip()
 #: wrk's request: a 1-token streamed chat request for the sim's model, ~32 prompt tokens.
@@ -21,7 +23,7 @@ wrk.headers["Content-Type"] = "application/json"
 
 
 def available() -> bool:
-    return any(os.access(Path(d) / "wrk", os.X_OK) for d in os.environ["PATH"].split(os.pathsep))
+    return shutil.which("wrk") is not None
 
 
 def script() -> Path:
@@ -42,3 +44,43 @@ def run(url: str, seconds: float, connections: int) -> tuple[int, int]:
         raise RuntimeError(f"wrk printed no request count:\n{out}")
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     return int(done.group(1)), int(bad.group(1)) if bad else 0
+
+
+def measure(pid: int, url: str, seconds: float, connections: int) -> tuple[float, float, int]:
+    """One `run` against the server `pid`: (its CPU microseconds per request, its process
+    and children counted; requests/s; non-2xx answers)."""
+    before = cpu_seconds(pid)
+    n, bad = run(url, seconds, connections)
+    return (cpu_seconds(pid) - before) / max(n, 1) * 1e6, n / seconds, bad
+
+
+def table(
+    us: dict[str, list[float]],
+    rps: dict[str, list[float]],
+    reference: str,
+    labels: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Prints each target's CPU per request (median and the rounds' range), each round's
+    ratio to `reference`'s in the same round (so the machine's drift cancels: median and
+    range) and requests/s; returns the rows for the JSON."""
+    labels = labels or {}
+    ref = us[reference]
+    print(f"{'target':<22}{'us/request':>11}{'rounds':>10}{'x ' + reference:>18}{'req/s':>8}")
+    rows = []
+    for name, values in us.items():
+        med = statistics.median(values)
+        ratios = [a / b for a, b in zip(values, ref, strict=True)]
+        spread = f"{min(values):.0f}-{max(values):.0f}"
+        ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        rate = statistics.median(rps[name])
+        print(f"{labels.get(name, name):<22}{med:>11.1f}{spread:>10}{ratio:>18}{rate:>8.0f}")
+        rows.append(
+            {
+                "target": name,
+                "us_per_request": med,
+                "rounds_us_per_request": values,
+                "x_reference_per_round": ratios,
+                "requests_per_s": rate,
+            }
+        )
+    return rows

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import _wrk
-from _common import ROOT, cpu_seconds, free_port, stop, wait_listening, write_json
+from _common import ROOT, free_port, stop, wait_listening, write_json
 
 VENV = ROOT / ".cache" / "front-servers-venv"
 PEERS = ("granian", "uvicorn", "uvloop", "httptools")
@@ -116,34 +115,17 @@ def main() -> None:
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 pid, port = running[name]
-                before = cpu_seconds(pid)
-                n, bad = _wrk.run(_url(port), args.seconds, args.concurrency)
-                us[name].append((cpu_seconds(pid) - before) / max(n, 1) * 1e6)
-                rps[name].append(n / args.seconds)
+                cost, rate, bad = _wrk.measure(pid, _url(port), args.seconds, args.concurrency)
+                us[name].append(cost)
+                rps[name].append(rate)
                 errors[name] += bad
             print(f"  round {r + 1}/{args.rounds}", flush=True)
-    # Each round's ratio to the first server (same round, so the machine's drift cancels).
-    first = us[names[0]]
-    print(f"\n{'server':<22}{'us/request':>11}{'rounds':>10}{'x ' + names[0]:>18}{'req/s':>8}")
-    rows = []
-    for name in names:
-        med = statistics.median(us[name])
-        ratios = [a / b for a, b in zip(us[name], first, strict=True)]
-        label = f"{name} {versions[name]}" if name in versions else name
-        spread = f"{min(us[name]):.0f}-{max(us[name]):.0f}"
-        ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-        print(f"{label:<22}{med:>11.1f}{spread:>10}{ratio:>18}{statistics.median(rps[name]):>8.0f}")
-        rows.append(
-            {
-                "server": name,
-                "version": versions.get(name),
-                "us_per_request": med,
-                "x_first_per_round": ratios,
-                "rounds_us": us[name],
-                "requests_per_s": statistics.median(rps[name]),
-                "non_2xx": errors[name],
-            }
-        )
+    print()
+    labels = {n: f"{n} {versions[n]}" for n in names if n in versions}
+    rows = _wrk.table(us, rps, names[0], labels)
+    for row in rows:
+        row["version"] = versions.get(row["target"])
+        row["non_2xx"] = errors[row["target"]]
     if any(errors.values()):
         print("non-2xx answers: " + ", ".join(f"{n} {e}" for n, e in errors.items() if e))
     write_json(args.json, "front_servers", args, servers=rows)

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-from typing import Any
 
 import _nginx
 import _wrk
 from _common import (
     ROOT,
     bare_relay,
-    cpu_seconds,
     features_off_config,
     gateway,
     src_dir,
@@ -38,11 +35,11 @@ from tokenpipe.bench.procs import Service
 
 def _measure(svc: Service, seconds: float, connections: int) -> tuple[float, float]:
     """(CPU microseconds of the serving process per request, requests/s) of one wrk run."""
-    before = cpu_seconds(svc.pid)
-    n, bad = _wrk.run(svc.url + "/v1/chat/completions", seconds, connections)
+    url = svc.url + "/v1/chat/completions"
+    cost, rate, bad = _wrk.measure(svc.pid, url, seconds, connections)
     if bad:
-        raise RuntimeError(f"{bad} of {n} answers were not 2xx")
-    return (cpu_seconds(svc.pid) - before) / max(n, 1) * 1e6, n / seconds
+        raise RuntimeError(f"{bad} answers were not 2xx")
+    return cost, rate
 
 
 def main() -> None:
@@ -82,30 +79,8 @@ def main() -> None:
                 rps[name].append(rate)
             print(f"  round {r + 1}/{args.rounds}", flush=True)
     print(f"\n1-token chat requests, {len(answer)}-byte answer, wrk {args.connections} conns")
-    rows = _table(us, rps)
+    rows = _wrk.table(us, rps, "bare-relay")
     write_json(args.json, "request_cpu", args, rows=rows)
-
-
-def _table(us: dict[str, list[float]], rps: dict[str, list[float]]) -> list[dict[str, Any]]:
-    relay = us["bare-relay"]
-    print(f"{'target':<16}{'us/request':>11}{'rounds':>10}{'x relay':>18}{'req/s':>8}")
-    rows = []
-    for name, values in us.items():
-        ratios = [a / b for a, b in zip(values, relay, strict=True)]
-        med = statistics.median(values)
-        spread = f"{min(values):.0f}-{max(values):.0f}"
-        ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-        print(f"{name:<16}{med:>11.0f}{spread:>10}{ratio:>18}{statistics.median(rps[name]):>8.0f}")
-        rows.append(
-            {
-                "target": name,
-                "us_per_request": med,
-                "rounds_us_per_request": values,
-                "x_relay_per_round": ratios,
-                "requests_per_s": statistics.median(rps[name]),
-            }
-        )
-    return rows
 
 
 if __name__ == "__main__":
