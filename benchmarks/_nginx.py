@@ -1,7 +1,9 @@
 """nginx as a mock upstream that costs next to nothing: every POST gets the same recorded SSE
 answer, `GET /v1/models` the recorded model list (`return 200 '...'`, no file, no proxy).
 A benchmark that wants the gateway's own CPU puts this behind it instead of the sim, whose
-Python would share the 2 cores with it. Debian: `apt-get install nginx-light`."""
+Python would share the 2 cores with it. `proxy` is nginx as a streaming reverse proxy: a
+compiled hop measured on this machine beside the Python ones. Debian: `apt-get install
+nginx-light`."""
 
 from __future__ import annotations
 
@@ -54,10 +56,18 @@ def _quoted(data: bytes) -> str:
     return "'" + escaped.replace("\r", "\\r") + "'"
 
 
+class Nginx:
+    """A running one-process nginx: its base URL (no /v1) and pid (for CPU and pinning)."""
+
+    def __init__(self, url: str, pid: int) -> None:
+        self.url = url
+        self.pid = pid
+
+
 @contextlib.contextmanager
-def mock_upstream(answer: bytes, models: bytes) -> Iterator[str]:
-    """A one-process nginx on loopback serving `answer` (text/event-stream) to every request
-    but `GET /v1/models` (`models`, JSON). Yields its base URL (no /v1)."""
+def _running(server_block: str, http_extra: str = "") -> Iterator[Nginx]:
+    """nginx (one process, no daemon) with one `server {...}` listening on a free loopback
+    port, which `server_block` names as `{port}`."""
     exe = binary()
     if exe is None:
         raise RuntimeError("nginx is not installed (Debian: apt-get install nginx-light)")
@@ -74,11 +84,8 @@ pid {tmp}/nginx.pid; error_log {tmp}/error.log warn;
 events {{ worker_connections 4096; }}
 http {{
   access_log off; keepalive_requests 10000000; keepalive_timeout 300s; {temps}
-  server {{
-    listen 127.0.0.1:{port};
-    location = /v1/models {{ default_type application/json; return 200 {_quoted(models)}; }}
-    location / {{ default_type text/event-stream; return 200 {_quoted(answer)}; }}
-  }}
+  {http_extra}
+  {server_block.replace("{port}", str(port))}
 }}
 """
         )
@@ -89,6 +96,40 @@ http {{
             except RuntimeError:
                 err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr else ""
                 raise RuntimeError(f"nginx did not start: {err}") from None
-            yield f"http://127.0.0.1:{port}"
+            yield Nginx(f"http://127.0.0.1:{port}", proc.pid)
         finally:
             stop(proc, 5)
+
+
+@contextlib.contextmanager
+def mock_upstream(answer: bytes, models: bytes) -> Iterator[str]:
+    """A one-process nginx on loopback serving `answer` (text/event-stream) to every request
+    but `GET /v1/models` (`models`, JSON). Yields its base URL (no /v1)."""
+    server = f"""server {{
+    listen 127.0.0.1:{{port}};
+    location = /v1/models {{ default_type application/json; return 200 {_quoted(models)}; }}
+    location / {{ default_type text/event-stream; return 200 {_quoted(answer)}; }}
+  }}"""
+    with _running(server) as n:
+        yield n.url
+
+
+@contextlib.contextmanager
+def proxy(upstream_url: str) -> Iterator[Nginx]:
+    """A one-process nginx on loopback as a streaming reverse proxy to `upstream_url` (a
+    base URL, http://host:port): what a compiled hop with no features costs on this
+    machine, beside the Python ones. HTTP/1.1 and kept-alive connections both ways (as
+    tokenpipe and the bare relay keep theirs), each upstream read sent on at once
+    (`proxy_buffering off`: an SSE proxy's setting), the request body read whole first
+    (nginx's default; a chat request is one read)."""
+    host_port = upstream_url.split("//", 1)[1].rstrip("/")
+    upstream = f"upstream up {{ server {host_port}; keepalive 256; keepalive_requests 10000000; }}"
+    server = """server {
+    listen 127.0.0.1:{port};
+    location / {
+      proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_buffering off; proxy_read_timeout 300s;
+    }
+  }"""
+    with _running(server, upstream) as n:
+        yield n

@@ -6,6 +6,7 @@ limit starts at `limits.initial_concurrency`, 32).
     python benchmarks/burst.py --base ../base/src    # + a gateway of another checkout
     python benchmarks/burst.py --relay               # + the bare aiohttp relay (the floor)
     python benchmarks/burst.py --pin --relay         # each hop a core of its own
+    python benchmarks/burst.py --relay --nginx       # + nginx as the proxy: a compiled hop
     python benchmarks/burst.py --sim-max-active 200  # a sim with 200 slots, refusing past them
     python benchmarks/burst.py --workers 2           # serve --workers 2 (both gateways)
     python benchmarks/burst.py --upstream-host localhost   # the sim by name: DNS per connect
@@ -22,7 +23,9 @@ garbage collector's pauses over the burst (`tokenpipe_gc_pause_seconds`, not sho
 `--relay`: the bare aiohttp relay (benchmarks/bare_relay.py: bytes forwarded, no parsing, no
 limit, no metrics) as one more target, started fresh for its burst like the gateways: what any
 Python hop adds to a burst on this machine. It is one process whatever `--workers` says, and
-has no /metrics, so no limiter wait or GC pauses of its own are shown.
+has no /metrics, so no limiter wait or GC pauses of its own are shown. `--nginx`: nginx as a
+streaming reverse proxy (benchmarks/_nginx.py, one process), the same way: what a compiled
+hop with no features adds to a burst on this machine.
 
 `--pin`: the gateway (every process and thread of it, or the relay) alone on CPU 0, the sim and
 the client (this process) on CPU 1, direct included. Unpinned, the three share this machine's
@@ -59,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import _nginx
 from _common import (
     ROOT,
     RssPeak,
@@ -138,14 +142,22 @@ def _limiter_wait(text: str) -> tuple[float, float, float]:
 
 #: The target that is the bare relay in a run's targets (no src: it is benchmarks/').
 RELAY = "relay"
+#: The target that is nginx as a streaming proxy (_nginx.proxy): a compiled hop.
+NGINX = "nginx"
 
 
 @contextlib.contextmanager
 def _target(
     name: str, sim: Service, src: str | None, args: argparse.Namespace
-) -> Iterator[tuple[str, Service | None]]:
+) -> Iterator[tuple[str, Service | _nginx.Nginx | None]]:
     if name == "direct":
         yield sim.url, None
+        return
+    if name == NGINX:
+        with _nginx.proxy(sim.url) as proxy:
+            if args.pin:
+                pin(proxy.pid, 0)
+            yield proxy.url, proxy
         return
     if name == RELAY:
         with bare_relay(sim.url) as relay:
@@ -180,7 +192,7 @@ async def _burst(url: str, args: argparse.Namespace) -> tuple[list[float], int, 
 
 
 async def _round(
-    url: str, gw: Service | None, args: argparse.Namespace, metrics: bool = True
+    url: str, gw: Service | _nginx.Nginx | None, args: argparse.Namespace, metrics: bool = True
 ) -> Round:
     """One burst against `url`, with the gateway's memory and CPU when there is one (`gw`),
     and its limiter waits and GC pauses when it has a /metrics of its own (`metrics`)."""
@@ -294,6 +306,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         targets["base"] = args.base
     if args.relay:
         targets[RELAY] = None
+    if args.nginx:
+        targets[NGINX] = None
     rounds: dict[str, list[Round]] = {}
     with Service("sim", "--port", "0", *sim_args, name="sim") as sim:
         if args.pin:  # the gateways on CPU 0 (_target); the sim and this process on 1
@@ -303,7 +317,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             for name, src in targets.items():
                 before = _sim_errors(sim)
                 with _target(name, sim, src, args) as (url, gw):
-                    x = await _round(url, gw, args, metrics=name != RELAY)
+                    x = await _round(url, gw, args, metrics=name not in (RELAY, NGINX))
                 refused[name] = refused.get(name, 0) + _sim_errors(sim) - before
                 rounds.setdefault(name, []).append(x)
                 kib = x.rss_kib_per_stream
@@ -335,7 +349,7 @@ async def _profile(sim: Service, args: argparse.Namespace) -> None:
     """One burst through a fresh gateway of this tree, sampled by py-spy; its analysis."""
     raw = Path(args.profile)
     with _target("tokenpipe", sim, str(ROOT / "src"), args) as (url, gw):
-        assert gw is not None
+        assert isinstance(gw, Service)
         async with py_spy_recording(gw.pid, raw, PROFILE_HZ):
             cpu0 = cpu_seconds(gw.pid)
             await _burst(url, args)
@@ -364,6 +378,9 @@ def main() -> None:
     )
     p.add_argument("--relay", action="store_true", help="+ the bare aiohttp relay as a target")
     p.add_argument(
+        "--nginx", action="store_true", help="+ nginx as a streaming proxy: a compiled hop"
+    )
+    p.add_argument(
         "--sim-max-active",
         type=int,
         metavar="N",
@@ -374,6 +391,8 @@ def main() -> None:
     args = p.parse_args()
     if args.workers < 1:
         p.error("--workers: 1 or more")
+    if args.nginx and _nginx.binary() is None:
+        p.error("--nginx needs nginx (Debian: apt-get install nginx-light)")
     install_uvloop()
     result = asyncio.run(_bench(args))
     write_json(args.json, "burst", args, **result)

@@ -1,13 +1,15 @@
 """Where the added first-token time goes at concurrency 1: one request at a time on one
-keep-alive connection per target (direct to the sim, through tokenpipe, through the bare
-aiohttp relay), rounds interleaved, each request timed by a blocking socket client (no event
-loop of its own in the way) to its response head and to its first content token; beside it,
-the gateway's own phases (its Server-Timing header), each server's CPU per request in this
-paced load, and a loopback TCP round trip between two processes (the wake-ups a hop adds).
+keep-alive connection per target (direct to the sim, through tokenpipe, through the bare aiohttp
+relay and, with `--nginx`, through nginx as a streaming proxy), rounds interleaved, each
+request timed by a blocking socket client (no event loop of its own in the way) to its
+response head and to its first content token; beside it, the gateway's own phases (its
+Server-Timing header), each server's CPU per request in this paced load, and a loopback TCP
+round trip between two processes (the wake-ups a hop adds).
 
     python benchmarks/c1_anatomy.py                      # ~1 min; JSON in results/
     python benchmarks/c1_anatomy.py --rounds 5 --requests 200 --gap-ms 10
     python benchmarks/c1_anatomy.py --pin                # each gateway alone on CPU 0
+    python benchmarks/c1_anatomy.py --nginx              # + a compiled hop (_nginx.proxy)
     python benchmarks/c1_anatomy.py --idle-poll alternate --rounds 6    # root: see below
 
 The sim sends its head and role chunk at once and the first content token `--ttft-ms`
@@ -26,14 +28,17 @@ to the host, and the next event on it starts cold) rather than the gateway's wor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import select
 import socket
 import statistics
 import time
 from typing import Any
 
+import _nginx
 from _common import (
     CPU_DMA_LATENCY,
     ROOT,
@@ -59,21 +64,32 @@ def _body(tokens: int) -> bytes:
 
 
 class Client:
-    """One keep-alive connection, one streamed chat request at a time."""
+    """One keep-alive connection, one streamed chat request at a time. A connection the
+    server closed while it sat idle (tokenpipe's `idle_seconds` is its read timeout, 30 s by
+    default, shorter than a long round of the other targets) is opened again before the
+    next request, outside the timed part."""
 
     def __init__(self, url: str, body: bytes) -> None:
-        host, port = url.split("//", 1)[1].rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.url = url
+        self.sock = self._connect()
         head = (
             "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         )
         self.request = head.encode() + body
 
+    def _connect(self) -> socket.socket:
+        host, port = self.url.split("//", 1)[1].rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
     def one(self) -> tuple[float, float, dict[str, float]]:
         """Seconds to the response head and to the first content token; the gateway's
         Server-Timing phases (ms), when it sent them."""
+        if select.select([self.sock], [], [], 0)[0]:  # readable while idle: closed by the server
+            self.sock.close()
+            self.sock = self._connect()
         t0 = time.perf_counter()
         self.sock.sendall(self.request)
         buf = b""
@@ -82,7 +98,7 @@ class Client:
             data = self.sock.recv(65536)
             now = time.perf_counter()
             if not data:
-                raise ConnectionError("the server closed the connection")
+                raise ConnectionError(f"{self.url} closed the connection")
             buf += data
             if head_at is None and b"\r\n\r\n" in buf:
                 head_at = now
@@ -128,13 +144,17 @@ def round_trip_us(n: int = 2000) -> float:
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     upstream = sim("--ttft-ms", str(args.ttft_ms), "--itl-ms", "20")
-    servers: dict[str, Service | None] = {"direct": None}
+    servers: dict[str, Service | _nginx.Nginx | None] = {"direct": None}
+    nginx = contextlib.ExitStack()
     try:
-        servers["tokenpipe"] = hop = gateway(upstream.url)
-        servers["bare relay"] = relay = bare_relay(upstream.url)
+        servers["tokenpipe"] = gateway(upstream.url)
+        servers["bare relay"] = bare_relay(upstream.url)
+        if args.nginx:
+            servers["nginx"] = nginx.enter_context(_nginx.proxy(upstream.url))
         if args.pin:  # each gateway on CPU 0 (every thread); the sim and this client on 1
-            for svc in (hop, relay):
-                pin(svc.pid, 0)
+            for svc in servers.values():
+                if svc is not None:
+                    pin(svc.pid, 0)
             pin(upstream.pid, 1)
             pin(os.getpid(), 1)
         body = _body(args.tokens)
@@ -172,8 +192,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         for c in clients.values():
             c.close()
     finally:
+        nginx.close()
         for server in servers.values():
-            if server is not None:
+            if isinstance(server, Service):
                 server.stop()
         upstream.stop()
     med = {
@@ -224,8 +245,13 @@ def main() -> None:
         default="off",
         help="idle CPUs poll instead of halting (root): in every round, or every second one",
     )
+    p.add_argument(
+        "--nginx", action="store_true", help="nginx as a proxy too: a compiled hop, no features"
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "c1_anatomy.json"))
     args = p.parse_args()
+    if args.nginx and _nginx.binary() is None:
+        p.error("--nginx needs nginx (Debian: apt-get install nginx-light)")
     if args.idle_poll != "off" and not os.access(CPU_DMA_LATENCY, os.W_OK):
         p.error(f"--idle-poll needs write access to {CPU_DMA_LATENCY} (root)")
     result = _measure(args)

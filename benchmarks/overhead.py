@@ -40,6 +40,8 @@ rounds are how a difference to the relay gets resolved to a millisecond or two o
 concurrency, deadlines, hedging, retries, breaker, recovery, context budgeting).
 `--base-src PATH` adds "tokenpipe-base": the same gateway run from another checkout's src/
 directory (on its PYTHONPATH), for before/after in one run on the same sim.
+`--nginx` adds nginx as a streaming reverse proxy (benchmarks/_nginx.py): a compiled hop with
+no features, on this machine, beside the Python ones.
 `--burn-us N` adds a target: the bare relay spinning N us of CPU per request. Where all 64
 streams start together, each request's CPU delays the ones behind it, so this shows what a
 gateway's per-request cost alone does to TTFT and throughput.
@@ -66,6 +68,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import _nginx
 from _common import (
     bare_relay,
     features_off_config,
@@ -179,6 +182,7 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
         gateway(sim.url, config=features_off_config())
         if args.features_off
         else contextlib.nullcontext() as off,
+        _nginx.proxy(sim.url) if args.nginx else contextlib.nullcontext() as nginx,
     ):
         endpoints = [
             Target("direct", sim.url + "/v1", None),
@@ -191,6 +195,8 @@ async def _bench_pace(pace: str, args: argparse.Namespace) -> list[dict[str, Any
             endpoints.append(Target("tokenpipe-off", off.url + "/v1", off.pid))
         if burn is not None:
             endpoints.append(Target(f"relay+{args.burn_us:g}us", burn.url + "/v1", burn.pid))
+        if nginx is not None:
+            endpoints.append(Target("nginx", nginx.url + "/v1", nginx.pid))
         litellm = None
         if args.litellm != "off":
             port = free_port()
@@ -274,6 +280,11 @@ def main() -> None:
         "--burn-us", type=float, default=0.0, help="add a relay spinning this CPU per request"
     )
     p.add_argument(
+        "--nginx",
+        action="store_true",
+        help="add nginx as a streaming proxy (_nginx.proxy): a compiled hop, no features",
+    )
+    p.add_argument(
         "--base-src",
         type=src_dir,
         metavar="PATH",
@@ -289,10 +300,13 @@ def main() -> None:
     )
     p.add_argument("--json", default=str(ROOT / "results" / "overhead.json"))
     args = p.parse_args()
-    if args.api is not None and (args.features_off or args.burn_us or args.base_src):
+    if args.api is not None and (args.features_off or args.burn_us or args.base_src or args.nginx):
         p.error(
-            "--features-off, --burn-us and --base-src add rows to the chat table (without --api)"
+            "--features-off, --burn-us, --base-src and --nginx add rows to the chat table "
+            "(without --api)"
         )
+    if args.nginx and _nginx.binary() is None:
+        p.error("--nginx needs nginx (Debian: apt-get install nginx-light)")
     if args.api is not None and args.itl_ms != PACED_ITL_MS:
         p.error(f"--itl-ms: the per-API table is paced at {PACED_ITL_MS:g} ms (without --api)")
     if args.api is not None and args.litellm == "auto":

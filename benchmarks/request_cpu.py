@@ -5,13 +5,15 @@ taken against a loopback mock. The bare aiohttp relay in the same run; rounds in
 
     python benchmarks/request_cpu.py                     # ~1.5 min; needs wrk and nginx
     python benchmarks/request_cpu.py --rounds 7 --features-off --base-src ../base/src
+    python benchmarks/request_cpu.py --nginx             # + nginx as the proxy: a compiled hop
 
 `relay_cost.py` measures the same request with the sim and a Python load generator on the
 same 2 cores. Their CPU crowds the gateway's (caches, wake-ups), so its figures are higher
 and its ratios narrower; this one is the request path alone. With `--features-off`, the
-gateway with every optional layer off is a target too: the request path's plumbing. The
-table's "x relay" is the median of each round's ratio, with their range. JSON in
-results/request_cpu.json.
+gateway with every optional layer off is a target too: the request path's plumbing. With
+`--nginx`, nginx as a streaming proxy (`_nginx.proxy`) is one: what a compiled hop with no
+features costs here, the class of the Go and Rust gateways' figures. The table's "x relay"
+is the median of each round's ratio, with their range. JSON in results/request_cpu.json.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from _common import (
 from tokenpipe.bench.procs import Service
 
 
-def _measure(svc: Service, seconds: float, connections: int) -> tuple[float, float]:
+def _measure(svc: Service | _nginx.Nginx, seconds: float, connections: int) -> tuple[float, float]:
     """(CPU microseconds of the serving process per request, requests/s) of one wrk run."""
     url = svc.url + "/v1/chat/completions"
     cost, rate, bad = _wrk.measure(svc.pid, url, seconds, connections)
@@ -51,6 +53,7 @@ def main() -> None:
     p.add_argument("--connections", type=int, default=32, help="wrk's keep-alive connections")
     p.add_argument("--features-off", action="store_true", help="+ tokenpipe, layers off")
     p.add_argument("--base-src", type=src_dir, help="+ tokenpipe from another src/")
+    p.add_argument("--nginx", action="store_true", help="+ nginx as the proxy (compiled)")
     p.add_argument("--json", default=str(ROOT / "results" / "request_cpu.json"))
     args = p.parse_args()
     if not _wrk.available() or _nginx.binary() is None:
@@ -60,13 +63,17 @@ def main() -> None:
         answer, models = _nginx.record(sim.url)
         sim.stop()  # nothing of it runs beside the targets
         upstream = stack.enter_context(_nginx.mock_upstream(answer, models))
-        targets: dict[str, Service] = {"tokenpipe": stack.enter_context(gateway(upstream))}
+        targets: dict[str, Service | _nginx.Nginx] = {
+            "tokenpipe": stack.enter_context(gateway(upstream))
+        }
         if args.features_off:
             off = gateway(upstream, config=features_off_config())
             targets["tokenpipe-off"] = stack.enter_context(off)
         if args.base_src:
             targets["tokenpipe-base"] = stack.enter_context(gateway(upstream, src=args.base_src))
         targets["bare-relay"] = stack.enter_context(bare_relay(upstream))
+        if args.nginx:
+            targets["nginx"] = stack.enter_context(_nginx.proxy(upstream))
         for svc in targets.values():  # warm-up: connections, caches, estimators
             _measure(svc, 2, args.connections)
         us: dict[str, list[float]] = {name: [] for name in targets}
