@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from typing import Any
 
 import aiohttp
 import orjson
@@ -108,3 +109,76 @@ async def test_a_sim_with_n_slots_refuses_the_next_request_while_n_answer() -> N
             chat["max_tokens"] = 3
             async with http.post(f"{s.url}/v1/chat/completions", json=chat) as r:
                 assert r.status == 200 and b"[DONE]" in await r.read()
+
+
+async def _answer(
+    url: str, path: str, body: object, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + path, json=body, headers=headers) as r,
+    ):
+        return r.status, await r.json(content_type=None)
+
+
+_MSG = [{"role": "user", "content": "hi"}]
+
+
+async def test_an_output_length_out_of_bounds_is_a_400_that_names_it(sim: procs.Service) -> None:
+    """The sim draws an answer's words before it starts, with its event loop held: a
+    client's max_tokens of 5,000,000 held every other request for 2 s, and 10^9 would take
+    the host's memory. Past MAX_OUTPUT_TOKENS, or not an integer, it is a 400 at once."""
+    chat, messages = "/v1/chat/completions", "/v1/messages"
+    for bad in (5_000_000, 131_073, -5, "abc", 1.5, True, [1]):
+        for path, body in (
+            (chat, {"model": "sim-model", "messages": _MSG, "max_tokens": bad, "stream": True}),
+            (chat, {"model": "sim-model", "messages": _MSG, "max_completion_tokens": bad}),
+            (messages, {"model": "sim-model", "messages": _MSG, "max_tokens": bad}),
+            ("/v1/responses", {"model": "sim-model", "input": "hi", "max_output_tokens": bad}),
+        ):
+            status, answer = await _answer(sim.url, path, body)
+            assert status == 400, (path, bad, answer)
+            assert "from 0 to 131072" in answer["error"]["message"], (path, bad, answer)
+    at_bound = {"model": "sim-model", "messages": _MSG, "max_tokens": 131_072}
+    unpaced = {"x-sim-ttft-ms": "0", "x-sim-itl-ms": "0"}  # the whole answer at once
+    status, answer = await _answer(sim.url, chat, at_bound, unpaced)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 131_072
+
+
+async def test_timing_overrides_out_of_bounds_are_a_400(sim: procs.Service) -> None:
+    """`x-sim-*` headers and `[[sim ...]]` directives set a request's timing: a delay must be
+    a finite number of ms up to an hour, an output length within MAX_OUTPUT_TOKENS."""
+    body = {"model": "sim-model", "messages": _MSG, "max_tokens": 2}
+    for name, value in (
+        ("ttft-ms", "nan"),
+        ("ttft-ms", "-1"),
+        ("itl-ms", "inf"),
+        ("itl-ms", "1e99"),
+        ("output-tokens", "1000000000"),
+    ):
+        status, answer = await _answer(
+            sim.url, "/v1/chat/completions", body, {f"x-sim-{name}": value}
+        )
+        assert status == 400, (name, value, answer)
+        assert name.replace("-", "_") in answer["error"]["message"], answer
+    directive = {
+        "model": "sim-model",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "[[sim output_tokens=200000]] hi"}],
+    }
+    status, answer = await _answer(sim.url, "/v1/chat/completions", directive)
+    assert status == 400 and "output_tokens" in answer["error"]["message"], answer
+
+
+async def test_embeddings_past_their_bounds_are_a_400(sim: procs.Service) -> None:
+    """Each number of an embedding is drawn in Python with the loop held: more than 2,048
+    inputs, or inputs x dimensions past MAX_VALUES, is a 400, not seconds of the sim's CPU."""
+    path = "/v1/embeddings"
+    status, _ = await _answer(sim.url, path, {"model": "sim-model", "input": ["a"] * 2049})
+    assert status == 400
+    big = {"model": "sim-model", "input": ["a"] * 300, "dimensions": 4096}
+    status, answer = await _answer(sim.url, path, big)
+    assert status == 400 and "1048576" in answer["error"]["message"], answer
+    ids = {"model": "sim-model", "input": list(range(5000))}  # one input of token ids
+    status, answer = await _answer(sim.url, path, ids)
+    assert status == 200 and len(answer["data"]) == 1, answer

@@ -20,7 +20,7 @@ from aiohttp import web
 from tokenpipe.engines.sim import embeddings as sim_embeddings
 from tokenpipe.engines.sim import faults, messages, text
 from tokenpipe.engines.sim import responses as sim_responses
-from tokenpipe.engines.sim.config import SimConfig, Timing, request_timing
+from tokenpipe.engines.sim.config import SimConfig, Timing, output_tokens, request_timing
 from tokenpipe.engines.sim.limits import RateLimits, retry_headers
 from tokenpipe.engines.sim.records import Record
 from tokenpipe.engines.sim.stream import stream_completion, stream_events
@@ -98,6 +98,11 @@ class Sim:
             or req.get("max_tokens")
             or req.get("max_output_tokens")
         )
+        if max_tokens is not None:
+            try:
+                max_tokens = output_tokens(max_tokens)
+            except ValueError as e:
+                return _error(400, str(e))
         n_out = timing.force_output_tokens
         if n_out is None:
             n_out = int(max_tokens) if max_tokens is not None else timing.output_tokens
@@ -215,6 +220,12 @@ class Sim:
                 raise ValueError
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError):
             return _error(400, "Invalid request body.")
+        if len(inputs) * dims > sim_embeddings.MAX_VALUES:
+            return _error(
+                400,
+                f"{len(inputs)} inputs of {dims} dimensions is more than the "
+                f"{sim_embeddings.MAX_VALUES} numbers the sim answers at once.",
+            )
         if not self.config.any_model and model not in self.config.models:
             return _error(404, f"The model `{model}` does not exist.", code="model_not_found")
         try:

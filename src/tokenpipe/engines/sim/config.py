@@ -16,6 +16,34 @@ from tokenpipe.engines.sim.faults import Fault
 
 _DIRECTIVE = re.compile(r"\[\[sim ([^\]]*)\]\]")
 
+#: Most output tokens one request may ask for (`max_tokens` and its aliases, `output_tokens`):
+#: the largest output window of today's models. The answer's words are drawn before it
+#: starts, at ~0.4 us each with the event loop held: unbounded, a client's max_tokens of
+#: 5,000,000 held every other request for 2 s (and 10^9 would take the host's memory).
+#: Past it: a 400.
+MAX_OUTPUT_TOKENS = 131_072
+#: Longest delay a request may set (`ttft_ms`, `itl_ms`), in ms: an hour. Past it, or not a
+#: finite number >= 0: a 400.
+MAX_DELAY_MS = 3_600_000.0
+
+
+def output_tokens(value: object, name: str = "max_tokens") -> int:
+    """A client's output length as the sim takes it: an integer (not a bool) in
+    0..MAX_OUTPUT_TOKENS, else ValueError naming `name`."""
+    if type(value) is not int or not 0 <= value <= MAX_OUTPUT_TOKENS:
+        raise ValueError(f"{name} must be an integer from 0 to {MAX_OUTPUT_TOKENS}")
+    return value
+
+
+def _delay_ms(text: str, name: str) -> float:
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not 0.0 <= ms <= MAX_DELAY_MS:  # (NaN fails this too)
+        raise ValueError(f"{name} must be a number of ms from 0 to {MAX_DELAY_MS:.0f}")
+    return ms
+
 
 @dataclass(slots=True)
 class Timing:
@@ -55,7 +83,8 @@ class SimConfig:
 def request_timing(
     base: Timing, drawn: Fault | None, headers: Mapping[str, str], prompt_text: str
 ) -> Timing:
-    """`base` with the drawn fault and the request's overrides. Raises ValueError on a bad one."""
+    """`base` with the drawn fault and the request's overrides. Raises ValueError on a bad one
+    (its message names the override and what it may be)."""
     t = replace(base)
     if drawn is not None:
         t.fault = drawn
@@ -70,13 +99,13 @@ def request_timing(
             pairs[k.replace("-", "_")] = v
     for k, v in pairs.items():
         if k == "ttft_ms":
-            t.ttft_ms = float(v)
+            t.ttft_ms = _delay_ms(v, "ttft_ms")
         elif k == "itl_ms":
-            t.itl_ms = float(v)
+            t.itl_ms = _delay_ms(v, "itl_ms")
         elif k == "tokens_per_chunk":
             t.tokens_per_chunk = max(1, int(v))
         elif k == "output_tokens":
-            t.force_output_tokens = max(0, int(v))
+            t.force_output_tokens = output_tokens(max(0, int(v)), "output_tokens")
         elif k == "fault":
             t.fault = None if v in ("", "none") else faults.parse(v)
         elif k == "tool":

@@ -17,17 +17,27 @@ import orjson
 DIMENSIONS = 16
 #: Longest vector the sim writes.
 MAX_DIMENSIONS = 4096
+#: Most inputs one request may hold (OpenAI's own bound). Past it: TypeError (a 400).
+#: A single input of token ids is one input, whatever its length.
+MAX_INPUTS = 2048
+#: Most numbers one answer may hold (inputs x dimensions). Each is drawn in Python, ~0.5 us,
+#: with the event loop held: this bound keeps one request under ~0.5 s of it. Unbounded, a
+#: 16 MiB body of 5 million empty inputs asked for 20 billion. Past it: a 400.
+MAX_VALUES = 1_048_576
 
 
 def inputs(value: Any) -> tuple[list[Any], str, int]:
     """The request's inputs (one each), their text (where directives are read) and their
-    tokens as the sim counts them (words; one per token id). Raises TypeError when broken."""
+    tokens as the sim counts them (words; one per token id). Raises TypeError when broken
+    or more than MAX_INPUTS."""
     if isinstance(value, str):
         return [value], value, len(value.split())
     if not isinstance(value, list) or not value:
         raise TypeError("input")
     if all(isinstance(x, int) for x in value):  # one input of token ids
         return [value], "", len(value)
+    if len(value) > MAX_INPUTS:
+        raise TypeError("input")
     texts, tokens = [], 0
     for x in value:
         if isinstance(x, str):

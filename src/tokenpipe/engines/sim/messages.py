@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from tokenpipe.engines.sim import text
-from tokenpipe.engines.sim.config import SimConfig, Timing
+from tokenpipe.engines.sim.config import SimConfig, Timing, output_tokens
 from tokenpipe.engines.sim.limits import RateLimits, retry_headers
 from tokenpipe.engines.sim.records import Record
 from tokenpipe.engines.sim.stream import GARBAGE, paced, start
@@ -133,7 +133,7 @@ async def create(sim: Sim, request: web.Request, body: bytes) -> web.StreamRespo
     try:
         req = orjson.loads(body)
         model = req["model"]
-        max_tokens = int(req["max_tokens"])
+        max_tokens = req["max_tokens"]
         prompt_text, input_tokens = _prompt(req)
         tools = req.get("tools") or []
         names = [t["name"] for t in tools]
@@ -142,6 +142,7 @@ async def create(sim: Sim, request: web.Request, body: bytes) -> web.StreamRespo
     if not sim.config.any_model and model not in sim.config.models:
         return error(404, f"model: {model}")
     try:
+        max_tokens = output_tokens(max_tokens)
         timing = sim.timing_for(request, prompt_text)
     except ValueError as e:
         return error(400, str(e))
