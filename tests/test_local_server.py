@@ -296,6 +296,18 @@ def test_models_health_and_request_errors(local: procs.Service) -> None:
         {"model": "m", "max_tokens": 999_999, "messages": [{"role": "user", "content": "hi"}]},
     )
     assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # Sampling values out of their ranges are refused, naming the field (llama.cpp took them).
+    hi = [{"role": "user", "content": "hi"}]
+    for field, value in (
+        ("top_p", -5),
+        ("min_p", 100),
+        ("top_k", 2**40),
+        ("presence_penalty", 1e308),
+        ("frequency_penalty", -3),
+    ):
+        body = {"model": "m", "max_tokens": 1, "messages": hi, field: value}
+        r = post(local.url, "/v1/chat/completions", body)
+        assert r.status == 400 and r.json()["error"]["param"] == field, (field, r.json())
     # A request id that could break the JSON or a header is replaced, not echoed.
     body = {"model": "m", "stream": True, "max_tokens": 1, "prompt": "Hi"}
     r = post(local.url, "/v1/completions", body, {"x-request-id": 'a"b'})

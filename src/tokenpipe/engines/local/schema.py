@@ -3,16 +3,20 @@ sampling parameters one generation runs with (n, refusals, the context window, s
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
+from msgspec import Meta
 
 from tokenpipe.engines.local import refusals
 from tokenpipe.engines.local.decode import SamplingParams
 from tokenpipe.engines.local.model import MODEL_ID
 from tokenpipe.errors import GatewayError
 
+#: The field msgspec names at the end of a validation error.
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 #: Largest request body read (bytes); a longer one gets 413.
 MAX_BODY = 4 * 1024 * 1024
 
@@ -24,6 +28,13 @@ class StreamOptions(msgspec.Struct):
     max_tokens_per_second: float | None = None
 
 
+# The sampling values' ranges, OpenAI's where it has the parameter (top_k and min_p are
+# llama.cpp's: a share, and a count its C API takes as int32). Out of range: a 400 naming the
+# field (before, top_p -5 or a penalty of 1e308 were passed to llama.cpp and answered 200).
+Share = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+
+
 class RequestBody(msgspec.Struct, kw_only=True):
     model: str = MODEL_ID
     stream: bool = False
@@ -31,11 +42,11 @@ class RequestBody(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    top_p: Share | None = None
+    top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    min_p: Share | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
@@ -64,7 +75,8 @@ async def read_request(request: web.Request, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        raise GatewayError(400, f"Invalid request: {e}") from None
+        at = _PATH.search(str(e))  # msgspec's "... - at `$.top_p`": the field, as OpenAI's `param`
+        raise GatewayError(400, f"Invalid request: {e}", param=at[1] if at else None) from None
     except msgspec.DecodeError:
         raise GatewayError(400, "The request body is not valid JSON.") from None
 
