@@ -236,20 +236,13 @@ def features_off_config() -> Path:
     return path
 
 
-def bare_relay(sim_url: str, cpu_us: float = 0.0) -> Service:
+def bare_relay(sim_url: str, cpu_us: float = 0.0, read: bool = False) -> Service:
     """The byte-forwarding floor (benchmarks/bare_relay.py) in front of a sim; `cpu_us`:
-    CPU it spins per request (a diagnostic)."""
-    return Service(
-        argv=[
-            sys.executable,
-            str(ROOT / "benchmarks" / "bare_relay.py"),
-            "--upstream",
-            sim_url,
-            "--cpu-us",
-            str(cpu_us),
-        ],
-        name="bare-relay",
-    )
+    CPU it spins per request (a diagnostic); `read`: it decodes the request and each event
+    it forwards (the floor for a hop that reads the stream)."""
+    argv = [sys.executable, str(ROOT / "benchmarks" / "bare_relay.py"), "--upstream", sim_url]
+    argv += ["--cpu-us", str(cpu_us), *(["--read"] if read else [])]
+    return Service(argv=argv, name="reading-relay" if read else "bare-relay")
 
 
 async def one_token_requests(svc: Service, concurrency: int, requests: int) -> Any:

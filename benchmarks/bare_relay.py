@@ -5,6 +5,11 @@ python benchmarks/bare_relay.py --upstream http://127.0.0.1:9000 --port 0
 
 `--cpu-us N` (a diagnostic, see overhead.py --burn-us) spins N microseconds of CPU on each
 request before forwarding it: a relay with a gateway's per-request cost and nothing else.
+
+`--read` (a diagnostic, request_cpu.py --reading-relay) reads what any gateway must and no
+more: the request body decoded (orjson), and each answer's SSE events split and their JSON
+decoded (msgspec, the usage and finish fields typed), then the bytes forwarded as received.
+It is the floor for a Python hop that knows what went through it.
 """
 
 from __future__ import annotations
@@ -14,12 +19,46 @@ import asyncio
 import time
 
 import aiohttp
+import msgspec
+import orjson
 from aiohttp import web
 
 from tokenpipe import serving
 
 
-def app(upstream: str, cpu_us: float = 0.0) -> web.Application:
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: dict[str, int] | None = None
+
+
+_decode = msgspec.json.Decoder(_Chunk).decode
+
+
+class _Reader:
+    """The events of an SSE answer, split across reads, each one's JSON decoded."""
+
+    def __init__(self) -> None:
+        self.held = b""
+        self.usage: dict[str, int] | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        *events, self.held = (self.held + chunk).split(b"\n\n")
+        for event in events:
+            data = event[6:] if event.startswith(b"data: ") else b""
+            if data == b"[DONE]":
+                self.done = True
+            elif data:
+                c = _decode(data)
+                if c.usage:
+                    self.usage = c.usage
+
+
+def app(upstream: str, cpu_us: float = 0.0, read: bool = False) -> web.Application:
     session: aiohttp.ClientSession | None = None
 
     async def relay(request: web.Request) -> web.StreamResponse:
@@ -27,6 +66,8 @@ def app(upstream: str, cpu_us: float = 0.0) -> web.Application:
         if session is None:
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
         body = await request.read()
+        if read:
+            orjson.loads(body)
         if cpu_us:
             end = time.perf_counter() + cpu_us / 1e6
             while time.perf_counter() < end:
@@ -38,7 +79,10 @@ def app(upstream: str, cpu_us: float = 0.0) -> web.Application:
                 status=up.status, headers={"content-type": up.headers["content-type"]}
             )
             await resp.prepare(request)
+            reader = _Reader() if read else None
             async for chunk in up.content.iter_any():
+                if reader is not None:
+                    reader.feed(chunk)
                 await resp.write(chunk)
             await resp.write_eof()
             return resp
@@ -54,10 +98,11 @@ def main() -> None:
     p.add_argument("--upstream", required=True, help="sim base URL without /v1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--cpu-us", type=float, default=0.0, help="CPU to spin per request (us)")
+    p.add_argument("--read", action="store_true", help="decode the request and each event")
     args = p.parse_args()
     serving.run(
         serving.serve(
-            app(args.upstream.rstrip("/"), args.cpu_us),
+            app(args.upstream.rstrip("/"), args.cpu_us, args.read),
             "127.0.0.1",
             args.port,
             drain_seconds=1,

@@ -6,14 +6,18 @@ taken against a loopback mock. The bare aiohttp relay in the same run; rounds in
     python benchmarks/request_cpu.py                     # ~1.5 min; needs wrk and nginx
     python benchmarks/request_cpu.py --rounds 7 --features-off --base-src ../base/src
     python benchmarks/request_cpu.py --nginx             # + nginx as the proxy: a compiled hop
+    python benchmarks/request_cpu.py --reading-relay     # + the relay reading what it forwards
 
 `relay_cost.py` measures the same request with the sim and a Python load generator on the
 same 2 cores. Their CPU crowds the gateway's (caches, wake-ups), so its figures are higher
 and its ratios narrower; this one is the request path alone. With `--features-off`, the
 gateway with every optional layer off is a target too: the request path's plumbing. With
 `--nginx`, nginx as a streaming proxy (`_nginx.proxy`) is one: what a compiled hop with no
-features costs here, the class of the Go and Rust gateways' figures. The table's "x relay"
-is the median of each round's ratio, with their range. JSON in results/request_cpu.json.
+features costs here, the class of the Go and Rust gateways' figures. With `--reading-relay`,
+the bare relay that also decodes the request and each event it forwards (`bare_relay.py
+--read`): the least a Python hop that knows what went through it (usage, the stream's end)
+can cost. The table's "x relay" is the median of each round's ratio, with their range. JSON
+in results/request_cpu.json.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ def main() -> None:
     p.add_argument("--features-off", action="store_true", help="+ tokenpipe, layers off")
     p.add_argument("--base-src", type=src_dir, help="+ tokenpipe from another src/")
     p.add_argument("--nginx", action="store_true", help="+ nginx as the proxy (compiled)")
+    p.add_argument(
+        "--reading-relay", action="store_true", help="+ the relay decoding what it forwards"
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "request_cpu.json"))
     args = p.parse_args()
     if not _wrk.available() or _nginx.binary() is None:
@@ -72,6 +79,8 @@ def main() -> None:
         if args.base_src:
             targets["tokenpipe-base"] = stack.enter_context(gateway(upstream, src=args.base_src))
         targets["bare-relay"] = stack.enter_context(bare_relay(upstream))
+        if args.reading_relay:
+            targets["reading-relay"] = stack.enter_context(bare_relay(upstream, read=True))
         if args.nginx:
             targets["nginx"] = stack.enter_context(_nginx.proxy(upstream))
         for svc in targets.values():  # warm-up: connections, caches, estimators
