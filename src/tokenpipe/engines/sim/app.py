@@ -105,17 +105,17 @@ class Sim:
                 return _error(400, str(e))
         n_out = timing.force_output_tokens
         if n_out is None:
-            n_out = int(max_tokens) if max_tokens is not None else timing.output_tokens
+            n_out = max_tokens if max_tokens is not None else timing.output_tokens
         rec, refusal, rl_headers = self._admit(
             request,
             kind,
             timing,
             prompt_tokens,
-            prompt_tokens + int(max_tokens or timing.output_tokens),
+            prompt_tokens + (max_tokens or timing.output_tokens),
         )
         if refusal is not None:
             return refusal
-        finish_reason = "length" if max_tokens is not None and n_out >= int(max_tokens) else "stop"
+        finish_reason = "length" if max_tokens is not None and n_out >= max_tokens else "stop"
         call = sim_responses.forced_call(req) if kind != "text" else None
         if call is not None and finish_reason == "stop" and kind == "chat":
             finish_reason = "tool_calls"
