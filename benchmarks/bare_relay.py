@@ -39,7 +39,8 @@ _decode = msgspec.json.Decoder(_Chunk).decode
 
 
 class _Reader:
-    """The events of an SSE answer, split across reads, each one's JSON decoded."""
+    """The events of an SSE answer, split across reads, each one's JSON decoded; the usage
+    and the stream's end kept, as a gateway keeps them (this relay does not act on them)."""
 
     def __init__(self) -> None:
         self.held = b""
@@ -79,11 +80,14 @@ def app(upstream: str, cpu_us: float = 0.0, read: bool = False) -> web.Applicati
                 status=up.status, headers={"content-type": up.headers["content-type"]}
             )
             await resp.prepare(request)
-            reader = _Reader() if read else None
-            async for chunk in up.content.iter_any():
-                if reader is not None:
+            if read:  # (a loop of its own: the bare relay's stays as it was)
+                reader = _Reader()
+                async for chunk in up.content.iter_any():
                     reader.feed(chunk)
-                await resp.write(chunk)
+                    await resp.write(chunk)
+            else:
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
             await resp.write_eof()
             return resp
 
