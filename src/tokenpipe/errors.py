@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import orjson
 
@@ -23,6 +24,16 @@ _TYPES = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+
+#: The field a msgspec validation error names at its end: "... - at `$.messages[0].role`".
+VALIDATION_FIELD = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def validation_field(message: str) -> str | None:
+    """The field (as OpenAI's `param`) a msgspec validation error's message names, if any."""
+    m = VALIDATION_FIELD.search(message)
+    return m.group(1) if m else None
 
 
 class GatewayError(Exception):

@@ -7,14 +7,13 @@ request in microseconds and names the offending field in its message.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import orjson
 from msgspec import Meta, Struct
 
-from tokenpipe.errors import GatewayError
+from tokenpipe.errors import VALIDATION_FIELD, GatewayError, validation_field
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 Temperature = Annotated[float, Meta(ge=0, le=2)]
@@ -63,7 +62,6 @@ class CompletionRequest(Struct):
     top_p: Probability | None = None
 
 
-_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 T = TypeVar("T")
 
 
@@ -81,9 +79,8 @@ def parse(body: bytes, kind: type[Any]) -> tuple[Any, dict]:
         return msgspec.convert(obj, kind), obj
     except msgspec.ValidationError as e:
         text = str(e)
-        m = _PATH.search(text)
-        param = m.group(1) if m else None
-        message = _PATH.sub("", text) + (f" (at '{param}')" if param else "")
+        param = validation_field(text)
+        message = VALIDATION_FIELD.sub("", text) + (f" (at '{param}')" if param else "")
         raise GatewayError(
             400, f"Invalid request: {message}", param=param, code="invalid_request"
         ) from None

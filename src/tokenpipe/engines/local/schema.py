@@ -3,7 +3,6 @@ sampling parameters one generation runs with (n, refusals, the context window, s
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any
 
 import msgspec
@@ -13,10 +12,8 @@ from msgspec import Meta
 from tokenpipe.engines.local import refusals
 from tokenpipe.engines.local.decode import SamplingParams
 from tokenpipe.engines.local.model import MODEL_ID
-from tokenpipe.errors import GatewayError
+from tokenpipe.errors import GatewayError, validation_field
 
-#: The field msgspec names at the end of a validation error.
-_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 #: Largest request body read (bytes); a longer one gets 413.
 MAX_BODY = 4 * 1024 * 1024
 
@@ -75,8 +72,7 @@ async def read_request(request: web.Request, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        at = _PATH.search(str(e))  # msgspec's "... - at `$.top_p`": the field, as OpenAI's `param`
-        raise GatewayError(400, f"Invalid request: {e}", param=at[1] if at else None) from None
+        raise GatewayError(400, f"Invalid request: {e}", param=validation_field(str(e))) from None
     except msgspec.DecodeError:
         raise GatewayError(400, "The request body is not valid JSON.") from None
 
