@@ -12,8 +12,6 @@ decoded (msgspec, the usage and finish fields typed), then the bytes forwarded a
 It is the floor for a Python hop that knows what went through it.
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import time
@@ -26,6 +24,8 @@ from aiohttp import web
 from tokenpipe import serving
 
 
+# Annotations evaluated at once (no `from __future__ import annotations`): msgspec would look
+# string ones up in sys.modules['__main__'], which under `python -m cProfile` is not this file.
 class _Choice(msgspec.Struct):
     finish_reason: str | None = None
 
