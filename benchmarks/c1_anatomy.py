@@ -10,6 +10,7 @@ round trip between two processes (the wake-ups a hop adds).
     python benchmarks/c1_anatomy.py --rounds 5 --requests 200 --gap-ms 10
     python benchmarks/c1_anatomy.py --pin                # each gateway alone on CPU 0
     python benchmarks/c1_anatomy.py --nginx              # + a compiled hop (_nginx.proxy)
+    python benchmarks/c1_anatomy.py --base-src ../base/src   # + tp-base: before/after
     python benchmarks/c1_anatomy.py --idle-poll alternate --rounds 6    # root: see below
 
 The sim sends its head and role chunk at once and the first content token `--ttft-ms`
@@ -47,6 +48,7 @@ from _common import (
     gateway,
     idle_polling,
     pin,
+    src_dir,
     write_json,
 )
 
@@ -148,6 +150,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     nginx = contextlib.ExitStack()
     try:
         servers["tokenpipe"] = gateway(upstream.url)
+        if args.base_src:
+            servers["tp-base"] = gateway(upstream.url, src=args.base_src)
         servers["bare relay"] = bare_relay(upstream.url)
         if args.nginx:
             servers["nginx"] = nginx.enter_context(_nginx.proxy(upstream.url))
@@ -168,7 +172,10 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             c: {n: {"head": [], "first": [], "cpu_us": []} for n in servers}
             for c in conditions[args.idle_poll]
         }
-        phases: dict[str, dict[str, list[float]]] = {c: {p: [] for p in PHASES} for c in rows}
+        gateways = [n for n in servers if n in ("tokenpipe", "tp-base")]
+        phases: dict[str, dict[str, dict[str, list[float]]]] = {
+            c: {n: {p: [] for p in PHASES} for n in gateways} for c in rows
+        }
         for r in range(args.rounds):
             cond = conditions[args.idle_poll][r % len(rows)]
             with idle_polling(cond == "polling"):
@@ -180,9 +187,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                         h, f, ph = client.one()
                         heads.append(h)
                         firsts.append(f)
-                        for p in PHASES:
+                        for p in PHASES if name in gateways else ():
                             if p in ph:
-                                phases[cond][p].append(ph[p])
+                                phases[cond][name][p].append(ph[p])
                         time.sleep(args.gap_ms / 1000)  # paced by design, not a wait for state
                     cpu = (cpu_seconds(svc.pid) - before) / args.requests * 1e6
                     rows[cond][name]["head"].append(statistics.median(heads) * 1e3)
@@ -209,7 +216,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": rows,
         "medians": med,
         "phases_ms": {
-            c: {p: statistics.median(v) for p, v in ph.items() if v} for c, ph in phases.items()
+            c: {n: {p: statistics.median(v) for p, v in ph.items() if v} for n, ph in by.items()}
+            for c, by in phases.items()
         },
         "round_trip_us": trips,
     }
@@ -223,8 +231,9 @@ def _print(result: dict[str, Any]) -> None:
         for name, m in med.items():
             added = "-" if name == "direct" else f"{m['first'] - d['first']:+.2f}"
             print(f"{name:<11} {m['head']:8.2f} {m['first']:9.2f} {added:>7} {m['cpu_us']:11.0f}")
-        print("tokenpipe's phases (Server-Timing, ms):")
-        print("  " + ", ".join(f"{k} {v:.3f}" for k, v in result["phases_ms"][cond].items()))
+        for name, ph in result["phases_ms"][cond].items():
+            print(f"{name}'s phases (Server-Timing, ms):")
+            print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()))
         trip = result["round_trip_us"][cond]
         print(f"loopback TCP round trip, two processes: {trip:.0f} us")
 
@@ -247,6 +256,12 @@ def main() -> None:
     )
     p.add_argument(
         "--nginx", action="store_true", help="nginx as a proxy too: a compiled hop, no features"
+    )
+    p.add_argument(
+        "--base-src",
+        metavar="PATH",
+        type=src_dir,
+        help="add tp-base: tokenpipe run from this src/ directory (another checkout's)",
     )
     p.add_argument("--json", default=str(ROOT / "results" / "c1_anatomy.json"))
     args = p.parse_args()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -65,6 +66,45 @@ def test_deadline_is_static_until_enough_samples_then_clamped_k_times_p99() -> N
     clock.advance(1)
     assert rule.value(fast) == 2.0  # floor
     assert rule.value(slow) == 10.0  # ceiling
+
+
+def test_a_deferred_refresh_serves_the_last_view_then_the_new_one_drawn_once() -> None:
+    clock = ManualClock()
+    later: list[Callable[[], None]] = []
+    est = RollingQuantiles(clock=clock, defer=later.append)
+    rule = AdaptiveDeadline(k=1.0, floor=0.0, ceiling=100.0, initial=7.0, min_samples=20)
+    drawn: list[float] = []
+
+    def draw(e: RollingQuantiles) -> float:
+        drawn.append(rule.of(e))
+        return drawn[-1]
+
+    for _ in range(50):
+        est.add(1.0)
+    assert est.derived(rule, draw) == pytest.approx(1.0, rel=0.02)  # nothing held: at once
+    for _ in range(500):
+        est.add(3.0)
+    clock.advance(1)  # the view is stale
+    assert est.derived(rule, draw) == pytest.approx(1.0, rel=0.02)  # the last view's value
+    assert est.derived(rule, draw) == pytest.approx(1.0, rel=0.02)
+    assert len(later) == 1 and len(drawn) == 1  # one refresh on its way, nothing drawn
+    later.pop()()
+    assert len(drawn) == 2  # drawn by the refresh, not by the next read
+    assert est.derived(rule, draw) == pytest.approx(3.0, rel=0.02)
+    assert len(drawn) == 2 and not later
+
+
+def test_without_defer_a_stale_view_is_refreshed_on_the_read() -> None:
+    clock = ManualClock()
+    est = RollingQuantiles(clock=clock)
+    rule = AdaptiveDeadline(k=1.0, floor=0.0, ceiling=100.0, min_samples=20)
+    for _ in range(50):
+        est.add(1.0)
+    assert rule.value(est) == pytest.approx(1.0, rel=0.02)
+    for _ in range(500):
+        est.add(3.0)
+    clock.advance(1)
+    assert rule.value(est) == pytest.approx(3.0, rel=0.02)
 
 
 def test_retry_budget_allows_its_share_of_requests_plus_the_reserve() -> None:

@@ -56,6 +56,10 @@ TRANSLATIONS: dict[str, type[ChatViaMessages] | type[MessagesViaChat]] = {
 }
 
 
+def _call_soon(fn: Callable[[], None]) -> None:
+    asyncio.get_running_loop().call_soon(fn)
+
+
 class Gateway:
     """Everything a request needs, built once per process from the settings."""
 
@@ -64,7 +68,9 @@ class Gateway:
         self.router = router
         self.auth = Authenticator(settings.auth.api_keys)
         self.traffic = TrafficControl(settings)
-        self.policy = Policy(settings.tail, router)
+        # The latency estimates' refreshes wait for the request to wait (its upstream's
+        # answer), rather than delaying its upstream write (control/quantiles.py).
+        self.policy = Policy(settings.tail, router, defer=_call_soon)
         self.context = ContextBudget(settings.context, self.policy, self.traffic.internal)
         self.draining = False
         #: The APIs the upstreams speak: with one, no request is translated.

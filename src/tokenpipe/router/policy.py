@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -51,10 +51,19 @@ def prompt_class(tokens: int) -> int:
 
 
 class Policy:
-    def __init__(self, settings: TailSettings, router: Router, clock: Clock = MONOTONIC) -> None:
+    def __init__(
+        self,
+        settings: TailSettings,
+        router: Router,
+        clock: Clock = MONOTONIC,
+        defer: Callable[[Callable[[], None]], Any] | None = None,
+    ) -> None:
+        """`defer`: runs the estimates' stale views' refreshes later (the gateway passes the
+        event loop's `call_soon`: see control/quantiles.py); None: at once, on the read."""
         self.settings = settings
         self.router = router
         self.clock = clock
+        self._defer = defer
         self.ttft_rule = _rule(settings.ttft, settings.min_samples)
         self.stall_rule = _rule(settings.stall, settings.min_samples)
         r, h = settings.retries, settings.hedging
@@ -86,7 +95,9 @@ class Policy:
         if est is None:
             if len(table) >= MAX_ESTIMATORS:
                 del table[next(iter(table))]
-            est = table[key] = RollingQuantiles(self.settings.window_seconds, clock=self.clock)
+            est = table[key] = RollingQuantiles(
+                self.settings.window_seconds, clock=self.clock, defer=self._defer
+            )
         return est
 
     def ttft_estimate(self, upstream: str, model: str, cls: int) -> RollingQuantiles:
