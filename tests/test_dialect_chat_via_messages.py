@@ -194,6 +194,42 @@ def test_what_messages_cannot_express_is_a_400_naming_the_field(field: str, valu
     assert e.value.status == 400 and e.value.param == field
 
 
+def _assistant(tool_calls: Any) -> dict[str, Any]:
+    return {**CHAT, "messages": [{"role": "assistant", "content": None, "tool_calls": tool_calls}]}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**CHAT, "tools": [{"type": "function", "function": "text"}]}, "tools[0].function"),
+        ({**CHAT, "tools": ["get_weather"]}, "tools"),
+        ({**CHAT, "tools": {"type": "function"}}, "tools"),
+        ({**CHAT, "tool_choice": {"type": "function", "function": 3}}, "tool_choice.function"),
+        ({**CHAT, "stop": 5}, "stop"),
+        ({**CHAT, "stop": ["a", {"b": 1}]}, "stop"),
+        (_assistant("call"), "messages[0].tool_calls"),
+        (_assistant([{"id": "c", "function": ["x"]}]), "messages[0].tool_calls[0].function"),
+        (
+            {
+                **CHAT,
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}
+                ],
+            },
+            "messages",
+        ),
+    ],
+)
+def test_a_mistyped_field_the_translation_reads_is_a_400_naming_it(
+    body: dict[str, Any], param: str
+) -> None:
+    """Fields the front's schema leaves untyped (the upstream checks them on the native path)
+    but this translation reads: found by test_fuzz_http as a 500 (`function` a string)."""
+    with pytest.raises(GatewayError) as e:
+        messages_request(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
 @pytest.mark.parametrize("split", [1, 7, 10_000])
 def test_the_stream_becomes_chat_chunks_the_sdk_accepts(split: int) -> None:
     body = b"".join(STREAM)

@@ -144,6 +144,15 @@ def test_what_chat_cannot_express_is_a_400_naming_the_field(field: str, value: A
     assert e.value.status == 400 and e.value.param == field
 
 
+@pytest.mark.parametrize("source", ["https://example.com/a.png", None, 7])
+def test_an_image_source_that_is_not_an_object_is_a_400(source: Any) -> None:
+    image = {"type": "image", "source": source}
+    body = {**REQUEST, "messages": [{"role": "user", "content": [image]}]}
+    with pytest.raises(GatewayError) as e:
+        chat_request(body)
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
 @pytest.mark.parametrize("split", [1, 9, 10_000])
 def test_the_stream_becomes_messages_events_the_sdk_accepts(split: int) -> None:
     body = b"".join(STREAM)

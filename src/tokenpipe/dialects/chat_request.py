@@ -27,7 +27,14 @@ def _bad(field: str, why: str) -> GatewayError:
 
 
 def _image(block: dict[str, Any]) -> dict[str, Any]:
-    src = block.get("source") or {}
+    src = block.get("source")
+    if not isinstance(src, dict):
+        raise GatewayError(
+            400,
+            "An image block's `source` must be an object.",
+            param="messages",
+            code="invalid_request",
+        )
     if src.get("type") == "base64":
         url = f"data:{src.get('media_type')};base64,{src.get('data')}"
     elif src.get("type") == "url":

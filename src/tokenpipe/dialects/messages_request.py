@@ -44,8 +44,33 @@ def _bad(field: str, why: str) -> GatewayError:
     )
 
 
+def _mistyped(field: str, what: str) -> GatewayError:
+    """A field this translation reads (the front's schema types only what every route reads)
+    that does not have the shape chat's API gives it."""
+    return GatewayError(400, f"`{field}` must be {what}.", param=field, code="invalid_request")
+
+
+def _objects(value: Any, field: str) -> list[dict[str, Any]]:
+    """`value` as a list of JSON objects (absent: none), else a 400 naming `field`."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise _mistyped(field, "a list of objects")
+    return value
+
+
+def _object(value: Any, field: str) -> dict[str, Any]:
+    """`value` as a JSON object (absent: an empty one), else a 400 naming `field`."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _mistyped(field, "an object")
+    return value
+
+
 def _image(part: dict[str, Any]) -> dict[str, Any]:
-    url = (part.get("image_url") or {}).get("url")
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else None
     if not isinstance(url, str):
         raise _bad("messages", "has an image_url part without a url")
     if url.startswith("data:"):
@@ -101,7 +126,7 @@ def messages_request(chat: dict[str, Any]) -> dict[str, Any]:
     # join it without looking at it again (looked at per result, 10,000 tool messages,
     # the schema's bound, cost 2 s of CPU: benchmarks/hostile_cost.py).
     results: list[dict[str, Any]] | None = None
-    for m in chat.get("messages") or ():
+    for i, m in enumerate(chat.get("messages") or ()):
         role = m.get("role")
         if role in ("system", "developer"):
             system.append(_text_of(m.get("content")))
@@ -109,8 +134,9 @@ def messages_request(chat: dict[str, Any]) -> dict[str, Any]:
             messages.append({"role": "user", "content": _blocks(m.get("content"))})
         elif role == "assistant":
             blocks = _blocks(m.get("content"))
-            for call in m.get("tool_calls") or ():
-                fn = call.get("function") or {}
+            at = f"messages[{i}].tool_calls"
+            for j, call in enumerate(_objects(m.get("tool_calls"), at)):
+                fn = _object(call.get("function"), f"{at}[{j}].function")
                 blocks.append(
                     {
                         "type": "tool_use",
@@ -154,22 +180,26 @@ def messages_request(chat: dict[str, Any]) -> dict[str, Any]:
             out[dst] = chat[src]
     stop = chat.get("stop")
     if stop:
-        out["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+        if isinstance(stop, str):
+            stop = [stop]
+        elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _mistyped("stop", "a string or a list of strings")
+        out["stop_sequences"] = stop
     if chat.get("user"):
         out["metadata"] = {"user_id": str(chat["user"])}
-    tools = chat.get("tools")
+    tools = _objects(chat.get("tools"), "tools")
     if tools:
-        out["tools"] = [_tool(t) for t in tools]
+        out["tools"] = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)]
     choice = chat.get("tool_choice")
     if choice is not None:
         out["tool_choice"] = _tool_choice(choice)
     return out
 
 
-def _tool(tool: dict[str, Any]) -> dict[str, Any]:
+def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     if tool.get("type") != "function":
         raise _bad("tools", f"has a tool of type {tool.get('type')!r}")
-    fn = tool.get("function") or {}
+    fn = _object(tool.get("function"), f"{where}.function")
     out = {"name": fn.get("name"), "input_schema": fn.get("parameters") or {"type": "object"}}
     if fn.get("description"):
         out["description"] = fn["description"]
@@ -180,5 +210,8 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
     if isinstance(choice, str) and choice in _CHOICE:
         return dict(_CHOICE[choice])
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "tool", "name": (choice.get("function") or {}).get("name")}
+        return {
+            "type": "tool",
+            "name": _object(choice.get("function"), "tool_choice.function").get("name"),
+        }
     raise _bad("tool_choice", f"is {choice!r}")
