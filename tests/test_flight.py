@@ -13,12 +13,13 @@ import pytest
 from aiohttp import web
 
 from tests.local_app import serving
+from tokenpipe.clock import ManualClock
 from tokenpipe.context.lookup import ModelLookup
-from tokenpipe.context.windows import WindowDiscovery
+from tokenpipe.context.windows import DISCOVERY_TTL, WindowDiscovery
 from tokenpipe.flight import SingleFlight
 from tokenpipe.router import Router
 from tokenpipe.settings import UpstreamSettings
-from tokenpipe.upstream.http import HttpUpstream
+from tokenpipe.upstream.http import MODELS_RETRY, MODELS_TTL, HttpUpstream
 
 #: Callers at once, as a cold burst's first requests.
 BURST = 200
@@ -130,6 +131,75 @@ async def test_a_cold_burst_asks_the_upstream_for_its_models_once_and_wakes_toge
             gate.set()
             assert await _all_done_with_the_first(tasks)
             assert [t.result() for t in tasks] == [answer] * BURST and asked == ["/v1/models"]
+        finally:
+            await upstream.close()
+
+
+async def _settled(upstream: HttpUpstream, windows: WindowDiscovery) -> None:
+    """Until the background asks of the model list and the windows have ended."""
+    while len(upstream._models_flight) or len(windows._fetching):
+        await asyncio.sleep(0)
+
+
+async def test_an_old_model_list_and_window_answer_at_once_while_asked_again() -> None:
+    """Once known, the upstream's model list and windows stay the answer: past their TTL they
+    are asked for again in the background. Before, the first request to find them old
+    waited for the upstream's /models, and so did every request that came meanwhile."""
+    gate, asked = asyncio.Event(), list[str]()
+    gate.set()
+    clock = ManualClock()
+    async with serving(_models_app(gate, asked)) as url:
+        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"), clock)
+        windows = WindowDiscovery(clock)
+        try:
+            known = upstream.serves("m1"), windows.window(upstream, "m1")
+            assert await asyncio.gather(*known) == [True, 8192]  # one ask, shared
+            assert asked == ["/v1/models"]
+            gate.clear()  # the upstream holds its next answer
+            clock.advance(max(MODELS_TTL, DISCOVERY_TTL) + 1)
+            assert upstream.serves_now("m1") is True  # known: nothing to wait for
+            async with asyncio.timeout(5):  # (a bound for the failure, not a wait)
+                assert await windows.window(upstream, "m1") == 8192
+            while len(asked) < 2:  # asked again, once for both
+                await asyncio.sleep(0)
+            gate.set()
+            await _settled(upstream, windows)
+            assert asked == ["/v1/models"] * 2 and upstream.serves_now("m1") is True
+            assert not len(upstream._models_flight)  # fresh again: no new ask
+        finally:
+            await upstream.close()
+
+
+async def test_a_failed_ask_again_keeps_the_last_model_list_and_windows() -> None:
+    asked: list[int] = []
+
+    async def models(request: web.Request) -> web.Response:
+        asked.append(1)
+        if len(asked) > 1:
+            return web.json_response({"error": "down"}, status=503)
+        return web.json_response({"data": [{"id": "m1", "max_model_len": 8192}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    clock = ManualClock()
+    async with serving(app) as url:
+        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"), clock)
+        windows = WindowDiscovery(clock)
+        try:
+            known = upstream.serves("m1"), windows.window(upstream, "m1")
+            assert await asyncio.gather(*known) == [True, 8192]  # one ask, shared
+            clock.advance(max(MODELS_TTL, DISCOVERY_TTL) + 1)
+            assert upstream.serves_now("other") is False  # the last list, not "any model"
+            assert await windows.window(upstream, "m1") == 8192
+            await _settled(upstream, windows)
+            assert len(asked) == 2  # the ask again failed
+            assert upstream.serves_now("m1") is True and upstream.serves_now("other") is False
+            assert await windows.window(upstream, "m1") == 8192
+            assert not len(upstream._models_flight)  # not asked again before MODELS_RETRY
+            clock.advance(MODELS_RETRY)
+            upstream.serves_now("m1")
+            assert len(upstream._models_flight) == 1
+            await _settled(upstream, windows)
         finally:
             await upstream.close()
 

@@ -29,11 +29,16 @@ class SingleFlight(Generic[V]):
 
     async def do(self, key: Hashable, run: Callable[[], Coroutine[Any, Any, V]]) -> V:
         """`run()`'s result: of the run in flight for `key`, else of one started now."""
+        return await asyncio.shield(self.start(key, run))
+
+    def start(self, key: Hashable, run: Callable[[], Coroutine[Any, Any, V]]) -> asyncio.Task[V]:
+        """The run in flight for `key`, else one started now, without waiting for it (a
+        refresh in the background: its error is retrieved, not raised to anyone)."""
         task = self._tasks.get(key)
         if task is None or task.done():  # (ended, its callback not run yet: a new run)
             task = self._tasks[key] = asyncio.create_task(run())
             task.add_done_callback(lambda t: self._ended(key, t))
-        return await asyncio.shield(task)
+        return task
 
     def _ended(self, key: Hashable, task: asyncio.Task[V]) -> None:
         if self._tasks.get(key) is task:

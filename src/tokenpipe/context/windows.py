@@ -54,21 +54,32 @@ class WindowDiscovery:
 
     async def window(self, upstream: HttpUpstream, model: str) -> int | None:
         hit = self._cache.get(upstream.name)
-        if hit is None or self.clock.now() - hit[0] > DISCOVERY_TTL:
+        if hit is None:
             # One fetch per upstream at a time (bounded by its 5 s); the requests that need
             # it meanwhile await that fetch.
             hit = await self._fetching.do(upstream.name, lambda: self._refresh(upstream))
+        elif self.clock.now() - hit[0] > DISCOVERY_TTL:
+            # Known: the answer stays, and the fetch runs in the background (as the model
+            # list's, upstream/http.py), not on the way of the request that found it old.
+            self._fetching.start(upstream.name, lambda: self._refresh(upstream))
         return hit[1].get(model)
 
     async def _refresh(self, upstream: HttpUpstream) -> tuple[float, dict[str, int]]:
-        hit = (self.clock.now(), await self._fetch(upstream))
+        found = await self._fetch(upstream)
+        old = self._cache.get(upstream.name)
+        if found is None:  # the upstream cannot say now: what it said last stands
+            found = old[1] if old is not None else {}
+        hit = (self.clock.now(), found)
         self._cache[upstream.name] = hit
         while len(self._cache) > MAX_DISCOVERED:
             self._cache.popitem(last=False)
         return hit
 
-    async def _fetch(self, upstream: HttpUpstream) -> dict[str, int]:
+    async def _fetch(self, upstream: HttpUpstream) -> dict[str, int] | None:
+        """The windows the upstream's /models names; None when it cannot say."""
         data = await upstream.models_json()
+        if data is None:
+            return None
         found: dict[str, int] = {}
         entries = data.get("data") if isinstance(data, dict) else None
         for entry in entries if isinstance(entries, list) else ():

@@ -12,12 +12,12 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 from typing import Any
 
 import orjson
 from yarl import URL
 
+from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control.pacing import PACE_HEADER
 from tokenpipe.errors import GatewayError
 from tokenpipe.flight import SingleFlight
@@ -60,9 +60,10 @@ def _auth_headers(settings: UpstreamSettings, key: str | None) -> str:
 
 
 class HttpUpstream:
-    def __init__(self, settings: UpstreamSettings) -> None:
+    def __init__(self, settings: UpstreamSettings, clock: Clock = MONOTONIC) -> None:
         self.settings = settings
         self.name = settings.name
+        self.clock = clock  # the model list's age
         self._url = URL(settings.url.rstrip("/"))
         self._pool: h1.Pool | None = None
         self._base_path = self._url.raw_path.rstrip("/")
@@ -243,7 +244,7 @@ class HttpUpstream:
             return True
         if "*" not in models:
             return False
-        hit, listed = self._cached_models(time.monotonic())
+        hit, listed = self._cached_models(self.clock.now())
         if not hit:
             return None
         return listed is None or model in listed
@@ -257,19 +258,27 @@ class HttpUpstream:
     async def listed_models(self) -> list[str] | None:
         """The upstream's own /v1/models, cached for MODELS_TTL; None when it cannot say (not
         asked again for MODELS_RETRY)."""
-        hit, found = self._cached_models(time.monotonic())
+        hit, found = self._cached_models(self.clock.now())
         if hit:
             return found
         return await self._models_flight.do(None, self._fetch_models)
 
     def _cached_models(self, now: float) -> tuple[bool, list[str] | None]:
-        """(True, answer) while the last list is fresh or the last failure recent."""
-        if self._models is not None and now - self._models_at < MODELS_TTL:
-            return True, self._models
+        """(True, answer) while the last list is fresh or the last failure recent. Once a
+        list is known it stays the answer: past MODELS_TTL it is asked for again in the
+        background (one request at a time, and after a failure not before MODELS_RETRY),
+        so no request waits for /models after the first. Awaited there, the round trip to
+        a remote upstream's /models was on the way of every request that came while it was
+        asked, once a minute."""
+        models = self._models
+        if models is not None:
+            if now - self._models_at >= MODELS_TTL and now - self._models_failed_at >= MODELS_RETRY:
+                self._models_flight.start(None, self._fetch_models)
+            return True, models
         return now - self._models_failed_at < MODELS_RETRY, None
 
     async def _fetch_models(self) -> list[str] | None:
-        now = time.monotonic()
+        now = self.clock.now()
         data = await self.models_json()
         try:
             self._models = [m["id"] for m in data["data"]]
