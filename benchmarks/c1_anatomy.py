@@ -11,6 +11,7 @@ round trip between two processes (the wake-ups a hop adds).
     python benchmarks/c1_anatomy.py --pin                # each gateway alone on CPU 0
     python benchmarks/c1_anatomy.py --nginx              # + a compiled hop (_nginx.proxy)
     python benchmarks/c1_anatomy.py --base-src ../base/src   # + tp-base: before/after
+    python benchmarks/c1_anatomy.py --rounds 10 --slow-phase-ms 0.5   # what runs now and then
     python benchmarks/c1_anatomy.py --idle-poll alternate --rounds 6    # root: see below
 
 The sim sends its head and role chunk at once and the first content token `--ttft-ms`
@@ -24,6 +25,11 @@ beside relay_cost.py's figure for back-to-back requests, it shows what a cold ca
 every second round, so each condition's rounds sit between the other's and the table shows
 both: how much of the added time is the machine's idle states (on a VM a halted vCPU exits
 to the host, and the next event on it starts cold) rather than the gateway's work.
+
+Each of the gateway's own phases (all but the wait for the upstream's head) that took
+longer than `--slow-phase-ms` (0.5 by default) is listed with the time it happened. Work
+that runs now and then on a request's way shows up there (a cache refreshed once a
+minute, say), where the medians hide it.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ from tokenpipe.bench.stream import server_timing
 
 #: The gateway's phases shown, by the bench's names (Server-Timing's `queue` is limiter_wait).
 PHASES = ("edge", "admission", "context", "limiter_wait", "upstream_headers")
+#: The phases of the gateway's own work (the last one above holds the upstream's).
+OWN_PHASES = PHASES[:-1]
 
 
 def _body(tokens: int) -> bytes:
@@ -176,6 +184,10 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         phases: dict[str, dict[str, dict[str, list[float]]]] = {
             c: {n: {p: [] for p in PHASES} for n in gateways} for c in rows
         }
+        # A gateway's phase slower than --slow-phase-ms: (seconds into the run, target, phase,
+        # ms), to see what runs now and then on a request's way (a cache's refresh).
+        slow: list[tuple[float, str, str, float]] = []
+        began = time.monotonic()
         for r in range(args.rounds):
             cond = conditions[args.idle_poll][r % len(rows)]
             with idle_polling(cond == "polling"):
@@ -190,6 +202,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                         for p in PHASES if name in gateways else ():
                             if p in ph:
                                 phases[cond][name][p].append(ph[p])
+                                if ph[p] > args.slow_phase_ms and p in OWN_PHASES:
+                                    at = time.monotonic() - began
+                                    slow.append((round(at, 1), name, p, ph[p]))
                         time.sleep(args.gap_ms / 1000)  # paced by design, not a wait for state
                     cpu = (cpu_seconds(svc.pid) - before) / args.requests * 1e6
                     rows[cond][name]["head"].append(statistics.median(heads) * 1e3)
@@ -220,6 +235,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             for c, by in phases.items()
         },
         "round_trip_us": trips,
+        "slow_phases": slow,
+        "slow_phase_ms": args.slow_phase_ms,
     }
 
 
@@ -236,6 +253,10 @@ def _print(result: dict[str, Any]) -> None:
             print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()))
         trip = result["round_trip_us"][cond]
         print(f"loopback TCP round trip, two processes: {trip:.0f} us")
+    slow = result["slow_phases"]
+    print(f"\ngateway phases over {result['slow_phase_ms']:g} ms: {len(slow)}")
+    for at, name, phase, ms in slow:
+        print(f"  {at:7.1f} s into the run  {name:<10} {phase:<17} {ms:.3f} ms")
 
 
 def main() -> None:
@@ -256,6 +277,12 @@ def main() -> None:
     )
     p.add_argument(
         "--nginx", action="store_true", help="nginx as a proxy too: a compiled hop, no features"
+    )
+    p.add_argument(
+        "--slow-phase-ms",
+        type=float,
+        default=0.5,
+        help="list each gateway phase slower than this (ms), with when it happened",
     )
     p.add_argument(
         "--base-src",
