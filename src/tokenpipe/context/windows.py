@@ -66,8 +66,8 @@ class WindowDiscovery:
 
     async def _refresh(self, upstream: HttpUpstream) -> tuple[float, dict[str, int]]:
         found = await self._fetch(upstream)
-        old = self._cache.get(upstream.name)
         if found is None:  # the upstream cannot say now: what it said last stands
+            old = self._cache.get(upstream.name)
             found = old[1] if old is not None else {}
         hit = (self.clock.now(), found)
         self._cache[upstream.name] = hit
