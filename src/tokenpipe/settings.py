@@ -78,6 +78,14 @@ class UpstreamSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     read_timeout_seconds: PositiveFloat = 300.0
     #: Bound on pooled connections to this upstream; requests over it wait for a free one.
     max_connections: PositiveInt = 1024
+    #: An idle pooled connection is closed after this long (seconds), but for the
+    #: `warm_connections` most recently used: those stay open up to `warm_seconds` (with TCP
+    #: keep-alive probes past `keepalive_seconds`), so that a request after a quiet spell
+    #: finds a connection and pays no TCP and TLS handshakes. The upstream may close any
+    #: sooner (seen, and handled: upstream/reuse.py).
+    keepalive_seconds: PositiveFloat = 30.0
+    warm_connections: Annotated[int, Meta(ge=0)] = 2
+    warm_seconds: PositiveFloat = 300.0
     #: Kernel receive buffer of each upstream connection (bytes; 0: the kernel's autotuning).
     #: It bounds what a paused stream leaves in the kernel: autotuning grows it to
     #: net.ipv4.tcp_rmem's maximum (6-32 MB) on a fast link. 256 KiB (Linux doubles it) still

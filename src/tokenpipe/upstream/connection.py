@@ -33,6 +33,13 @@ MAX_HEADERS = 256
 #: those cost a new connection each (a TLS handshake on a real upstream).
 FINISH_SECONDS = 1.0
 FINISH_MAX_BYTES = 16 * 1024
+#: TCP keep-alive on a connection kept idle past the pool's keep-alive (upstream/h1.py's
+#: warm ones, up to 300 s): a probe after 60 s of silence, then every 10 s, 3 unanswered
+#: ones and it is closed. NATs and load balancers forget a connection idle longer than
+#: their timeout (Azure's load balancer: 4 min, without a reset by default), and a request
+#: written into it would wait for its deadline; the probes keep their state, and find a
+#: peer that went away.
+KEEPALIVE_TCP = (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
 
 
 class Owner(Protocol):
@@ -66,6 +73,7 @@ class Connection(asyncio.Protocol):
         self._informational = False
         self._finishing: asyncio.TimerHandle | None = None  # `finish`'s bound
         self._finish_bytes = 0
+        self._probed = False  # TCP keep-alive set (keep_warm)
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -227,6 +235,28 @@ class Connection(asyncio.Protocol):
         if self._finishing is not None:
             self._finishing.cancel()
             self._finishing = None
+
+    def keep_warm(self) -> None:
+        """Turns on TCP keep-alive probes (KEEPALIVE_TCP), once: the pool keeps this idle
+        connection past its keep-alive."""
+        if self._probed or self.transport is None:
+            return
+        self._probed = True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in KEEPALIVE_TCP:
+            if hasattr(socket, name):  # Linux's names; macOS has TCP_KEEPALIVE instead
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+    def close(self) -> None:
+        """Closes an idle connection politely (a FIN, where `abort` resets it): the pool
+        has kept it long enough."""
+        if self.transport is not None and not self.lost:
+            self.transport.close()
+        self.lost = True
+        self.pool.forget(self)
 
     def abort(self) -> None:
         """Closes at once (a request abandoned mid-way: the upstream sees the close). A

@@ -15,7 +15,8 @@ The pieces: `Pool` (here) hands out `Connection`s (upstream/connection.py), whos
 (upstream/errors.py), so nothing above upstream/ depends on the wire library.
 
 Bounds: at most `limit` connections per upstream (a request beyond waits for one to be
-released); idle connections are closed after `keepalive_s`; a response buffers at most
+released); idle connections are closed after `keepalive_s`, but for the `warm` most
+recently used, kept up to `warm_s` (`reap`, run every `keepalive_s / 2`); a response buffers at most
 `HIGH_WATER` bytes (upstream/response.py) before the socket stops being read (TCP
 backpressure on the upstream); the host's addresses are looked up once per 10 s for all
 its connections (upstream/resolve.py).
@@ -26,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import math
 import ssl
 import time
+from collections.abc import Callable
 
 from yarl import URL
 
@@ -65,6 +68,9 @@ class Pool:
         connect_timeout: float,
         receive_buffer_bytes: int = 0,
         keepalive_s: float = 30.0,
+        warm: int = 2,
+        warm_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"upstream URL must be http(s)://host[:port]/...: {url}")
@@ -77,8 +83,18 @@ class Pool:
         self.limit = limit
         self.connect_timeout = connect_timeout
         self.receive_buffer_bytes = receive_buffer_bytes
+        # Idle connections: all but the `warm` most recently used are closed after
+        # `keepalive_s`; those `warm` after `warm_s`, so that a request after a quiet spell
+        # finds one (a new one costs a TCP and a TLS handshake: 2-3 round trips to the
+        # upstream; on loopback 1.1 ms, benchmarks/after_idle.py).
         self.keepalive_s = keepalive_s
-        # LIFO: the most recently used connection is the warmest. Bound: `limit`.
+        self.warm = warm
+        self.warm_s = max(warm_s, keepalive_s)
+        self._longest = self.warm_s if warm else keepalive_s  # the bound checked at reuse
+        self._now = clock
+        self._reaper: asyncio.TimerHandle | None = None  # armed while any is idle
+        # Oldest first; taken from the end (LIFO: the most recently used is the warmest).
+        # Bound: `limit`.
         self._idle: list[Connection] = []
         self._open = 0  # connections open or opening; bound: `limit`
         # Requests waiting for a connection, in arrival order; bound: the requests in flight
@@ -130,11 +146,11 @@ class Pool:
     async def _acquire(self, fresh: bool = False) -> Connection:
         """An idle connection that passes the check before reuse, else a new one once there
         is room; `fresh`: always a new one (an idle one is closed if that makes the room)."""
-        now = time.monotonic()
+        now = self._now()
         while True:
             while self._idle and not fresh:
                 conn = self._idle.pop()
-                if reusable(conn, now, self.keepalive_s):
+                if reusable(conn, now, self._longest):
                     return conn
                 conn.abort()
             if fresh and self._open >= self.limit and self._idle:
@@ -200,9 +216,47 @@ class Pool:
             raise UpstreamUnreachable(f"cannot connect to {self.host_header}: {e}") from None
 
     def put_back(self, conn: Connection) -> None:
-        conn.idle_since = time.monotonic()
+        conn.idle_since = self._now()
         self._idle.append(conn)
+        if self._reaper is None:
+            self._arm()
         self._wake_one()
+
+    def _arm(self) -> None:
+        # Every keepalive_s / 2 while any connection is idle: one is closed at most half
+        # its keep-alive late, for one timer per 15 s (by default) under load.
+        loop = asyncio.get_running_loop()
+        self._reaper = loop.call_later(self.keepalive_s / 2, self._reap_now)
+
+    def _reap_now(self) -> None:
+        self._reaper = None
+        self.reap()
+        if self._idle:
+            self._arm()
+
+    def reap(self) -> None:
+        """Closes the idle connections past their keep-alive (see `__init__`) and drops
+        those the upstream closed. The warm ones kept past `keepalive_s` get TCP keep-alive
+        probes (`Connection.keep_warm`)."""
+        now = self._now()
+        live = []
+        for conn in self._idle:
+            if reusable(conn, now, math.inf):
+                live.append(conn)
+            else:
+                conn.abort()  # closed by the upstream, or it sent what nobody asked for
+        kept = []
+        warm_from = len(live) - self.warm
+        for i, conn in enumerate(live):
+            idle_s = now - conn.idle_since
+            if idle_s < self.keepalive_s:
+                kept.append(conn)
+            elif i >= warm_from and idle_s < self.warm_s:
+                conn.keep_warm()
+                kept.append(conn)
+            else:
+                conn.close()
+        self._idle = kept
 
     def forget(self, conn: Connection) -> None:
         """A connection closed: its place is free."""
@@ -227,6 +281,9 @@ class Pool:
                 return
 
     def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         for conn in list(self._members):
             conn.abort()
         self._idle.clear()

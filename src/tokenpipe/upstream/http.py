@@ -43,8 +43,6 @@ MODELS_TIMEOUT = 5.0
 MAX_PROBE_BYTES = 64 * 1024
 #: The error code of an upstream whose bytes are broken (HTTP/1.1, SSE or JSON): not retried.
 PROTOCOL_ERROR = "upstream_protocol_error"
-#: How long an idle upstream connection is kept for the next request (seconds).
-KEEPALIVE_SECONDS = 30.0
 #: The fixed headers of a completion request (the body is always JSON, possibly a stream).
 _ACCEPT_POST = "content-type: application/json\r\naccept: text/event-stream\r\n"
 
@@ -91,7 +89,9 @@ class HttpUpstream:
                 limit=self.settings.max_connections,
                 connect_timeout=self.settings.connect_timeout_seconds,
                 receive_buffer_bytes=self.settings.receive_buffer_bytes,
-                keepalive_s=KEEPALIVE_SECONDS,
+                keepalive_s=self.settings.keepalive_seconds,
+                warm=self.settings.warm_connections,
+                warm_s=self.settings.warm_seconds,
             )
         return self._pool
 
