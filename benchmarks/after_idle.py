@@ -5,6 +5,7 @@ way (on loopback ~1 ms; to a real upstream a TCP and a TLS handshake, 2-3 round 
 
     python benchmarks/after_idle.py                        # ~6 min (8 spells of 45 s)
     python benchmarks/after_idle.py --base-src ../base/src --spells 8 --quiet-s 45
+    python benchmarks/after_idle.py --quiet-s 80 --upstream-host localhost   # + a lookup
 
 Each spell: `--quiet-s` seconds with no request, then one request to each target in turn
 (the order rotated every spell), then `--warm` more to each, `--gap-ms` apart. The client is
@@ -14,7 +15,9 @@ before the timed request, so the client's own reconnect is not timed. Hops' upst
 keep-alive: tokenpipe 30 s (`keepalive_seconds`), with its 2 most recently used connections
 kept up to 300 s (`warm_connections`, `warm_seconds`; a base tree may have no warm ones);
 the bare relay's aiohttp connector 15 s; the sim (aiohttp's server) keeps an idle
-connection 75 s, so a spell over that is a new connection for everyone.
+connection 75 s, so a spell over that is a new connection for everyone. With
+`--upstream-host localhost` the hops reach the sim by name, which a new connection may have
+to look up first (/etc/hosts here: a fraction of a real resolver's 1-50 ms).
 JSON in results/after_idle.json.
 """
 
@@ -48,15 +51,17 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=10, help="requests after the first, each")
     p.add_argument("--gap-ms", type=float, default=10.0, help="between the warm requests")
     p.add_argument("--base-src", type=src_dir, help="+ tokenpipe from another src/")
+    p.add_argument("--upstream-host", default="127.0.0.1", help="the sim's host, for the hops")
     p.add_argument("--json", default=str(ROOT / "results" / "after_idle.json"))
     args = p.parse_args()
     upstream = sim("--ttft-ms", "20", "--itl-ms", "20")
     hops: dict[str, Service | None] = {"direct": None}
     try:
-        hops["tokenpipe"] = gateway(upstream.url)
+        named = upstream.url.replace("127.0.0.1", args.upstream_host)
+        hops["tokenpipe"] = gateway(named)
         if args.base_src:
-            hops["tp-base"] = gateway(upstream.url, src=args.base_src)
-        hops["bare relay"] = bare_relay(upstream.url)
+            hops["tp-base"] = gateway(named, src=args.base_src)
+        hops["bare relay"] = bare_relay(named)
         body = _body(4)
         clients = {n: Client((svc or upstream).url, body) for n, svc in hops.items()}
         for c in clients.values():  # warm-up: connections, caches, the gateway's estimates

@@ -27,11 +27,31 @@ async def test_connections_opened_together_share_one_lookup_until_the_ttl() -> N
     await r.addresses()
     assert r.lookups == 1  # fresh: the cached answer
     clock.advance(0.2)
-    await r.addresses()
-    assert r.lookups == 2  # expired: looked up again
+    assert await r.addresses() is answers[0]  # expired: served at once, looked up again
+    fresh = await r._lookup.do(None, r._resolve)  # joins that lookup, in the background
+    assert r.lookups == 2 and fresh is not answers[0]
+    assert await r.addresses() is fresh
+    clock.advance(9.9)
+    assert await r.addresses() is fresh and r.lookups == 2  # fresh again for a TTL
     r.forget()
     await r.addresses()
-    assert r.lookups == 3  # forgotten (no address took a connection): looked up again
+    assert r.lookups == 3  # forgotten (no address took a connection): waited for
+
+
+async def test_a_failed_lookup_in_the_background_leaves_the_answer_it_had() -> None:
+    clock = ManualClock()
+    r = Resolver("localhost", 8000, ttl=10.0, clock=clock)
+    answer = await r.addresses()
+    r.port = "no-such-service"  # type: ignore[assignment]  # the next lookup fails
+    clock.advance(10)
+    assert await r.addresses() is answer
+    with pytest.raises(socket.gaierror):
+        await r._lookup.do(None, r._resolve)  # (joins the one in flight)
+    assert r.lookups == 2
+    assert await r.addresses() is answer  # still served, and asked for again
+    with pytest.raises(socket.gaierror):
+        await r._lookup.do(None, r._resolve)
+    assert r.lookups == 3
 
 
 async def test_a_failed_lookup_is_not_cached() -> None:
