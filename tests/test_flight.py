@@ -13,12 +13,14 @@ import pytest
 from aiohttp import web
 
 from tests.local_app import serving
+from tokenpipe import pipeline
 from tokenpipe.clock import ManualClock
 from tokenpipe.context.lookup import ModelLookup
 from tokenpipe.context.windows import DISCOVERY_TTL, WindowDiscovery
 from tokenpipe.flight import SingleFlight
+from tokenpipe.gateway import running
 from tokenpipe.router import Router
-from tokenpipe.settings import UpstreamSettings
+from tokenpipe.settings import Settings, UpstreamSettings
 from tokenpipe.upstream.http import MODELS_RETRY, MODELS_TTL, HttpUpstream
 
 #: Callers at once, as a cold burst's first requests.
@@ -228,3 +230,74 @@ async def test_a_cold_burst_loads_a_models_token_counter_once(
     assert all(c is counters[0] for c in counters)
     loads = [r for r in caplog.records if "counts tokens with" in r.getMessage()]
     assert len(loads) == 1  # one worker-thread load, not one per request
+
+
+def _models_then(statuses: list[int], asked: list[int]) -> web.Application:
+    """/v1/models answering each of `statuses` in turn (an upstream still starting: 503),
+    then the list; every ask recorded."""
+
+    async def models(request: web.Request) -> web.Response:
+        asked.append(1)
+        if len(asked) <= len(statuses):
+            return web.json_response({"error": "starting"}, status=statuses[len(asked) - 1])
+        return web.json_response({"data": [{"id": "m1", "max_model_len": 8192}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def test_the_warm_up_marks_nothing_when_the_upstream_cannot_say_yet(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A failed warm-up ask leaves the first request to ask itself (a request's failed ask
+    means "serves any model" for MODELS_RETRY), and logs nothing: a starting upstream."""
+    asked = list[int]()
+    async with serving(_models_then([503], asked)) as url:
+        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"))
+        try:
+            with caplog.at_level(logging.WARNING, logger="tokenpipe"):
+                assert await upstream.warm() is None
+            assert upstream.serves_now("m1") is None and caplog.records == []
+            assert await upstream.warm() == {"data": [{"id": "m1", "max_model_len": 8192}]}
+            assert upstream.serves_now("m1") is True and upstream.serves_now("m2") is False
+        finally:
+            await upstream.close()
+
+
+async def test_a_gateway_learns_its_upstreams_models_and_windows_before_the_first_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At start, asked again while the upstream cannot say (twice here); then its first
+    request finds the model list and the window known, and asks nothing."""
+    monkeypatch.setattr(pipeline, "WARM_FIRST_PAUSE", 0.001)
+    asked = list[int]()
+    async with serving(_models_then([503, 503], asked)) as url:
+        settings = Settings(upstreams=[UpstreamSettings(name="u", url=f"{url}/v1")])
+        async with running(settings) as (front, _, _):
+            gw = front.gateway
+            upstream = gw.router.upstreams[0]
+            async with asyncio.timeout(5):  # (a bound for the failure, not a wait)
+                while upstream.serves_now("m1") is None:  # until learned: loop turns
+                    await asyncio.sleep(0)
+            assert upstream.serves_now("m1") is True and upstream.serves_now("m2") is False
+            assert await gw.context.lookup.window("m1") == 8192
+            assert len(asked) == 3  # the window was known: not asked for again
+
+
+async def test_windows_the_upstream_could_not_say_are_asked_for_again_after_the_retry() -> None:
+    """Not after DISCOVERY_TTL: one failed ask left the upstream's models unbudgeted for a
+    minute (and a failed ask at start would have done the same)."""
+    asked = list[int]()
+    clock = ManualClock()
+    async with serving(_models_then([503], asked)) as url:
+        upstream = HttpUpstream(UpstreamSettings(name="u", url=f"{url}/v1"), clock)
+        windows = WindowDiscovery(clock)
+        try:
+            assert await windows.window(upstream, "m1") is None
+            clock.advance(MODELS_RETRY)
+            assert await windows.window(upstream, "m1") is None  # asked again, meanwhile
+            await _settled(upstream, windows)
+            assert await windows.window(upstream, "m1") == 8192 and len(asked) == 2
+        finally:
+            await upstream.close()

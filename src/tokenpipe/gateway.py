@@ -43,8 +43,9 @@ async def running(
     await gw.start()
     sampler = RuntimeSampler()
     sampler.start()
-    # The configured models' tokenizers load in a thread while serving.
-    warm = asyncio.create_task(gw.context.lookup.warm())
+    # The upstreams' model lists and windows, and the configured models' tokenizers (in a
+    # thread), are learned while serving: before the first request, mostly.
+    warm = asyncio.create_task(gw.warm())
     try:
         port = await server.start(settings.server.host, settings.server.port, sock)
         yield front, server, port

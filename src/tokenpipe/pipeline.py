@@ -56,6 +56,12 @@ TRANSLATIONS: dict[str, type[ChatViaMessages] | type[MessagesViaChat]] = {
 }
 
 
+#: How long the start's warm-up asks an upstream that does not answer yet (seconds), and
+#: its first pause between two asks (doubled each time, up to 8 s).
+WARM_SECONDS = 60.0
+WARM_FIRST_PAUSE = 0.5
+
+
 def _call_soon(fn: Callable[[], None]) -> None:
     asyncio.get_running_loop().call_soon(fn)
 
@@ -78,6 +84,31 @@ class Gateway:
 
     async def start(self) -> None:
         await self.traffic.start()
+
+    async def warm(self) -> None:
+        """What a first request would wait for, done at start, in the background: each
+        upstream asked for its /models (its first connection opened and kept warm, its host
+        looked up, its model list and windows learned) and the configured models' token
+        counters loaded. Without it, each process's first request waited for all of that:
+        on loopback 1.9 ms of its context phase, to a remote upstream a TCP and a TLS
+        handshake and the /models round trip."""
+        await asyncio.gather(self.context.lookup.warm(), *map(self._warm, self.router.upstreams))
+
+    async def _warm(self, upstream: HttpUpstream) -> None:
+        # An upstream still starting (tokenpipe local loads its model) is asked again, 0.5,
+        # 1, 2, 4, 8, 8... s apart, for at most WARM_SECONDS; a request meanwhile joins the
+        # ask in flight or asks itself, as it would have without the warm-up.
+        delay, waited = WARM_FIRST_PAUSE, 0.0
+        while True:
+            data = await upstream.warm()
+            if data is not None:
+                self.context.lookup.discovery.learn(upstream, data)
+                return
+            if waited + delay > WARM_SECONDS:
+                return
+            await asyncio.sleep(delay)  # (a retry's pause, not a wait for state)
+            waited += delay
+            delay = min(2 * delay, 8.0)
 
     async def close(self) -> None:
         await self.traffic.close()

@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.flight import SingleFlight
-from tokenpipe.upstream.http import HttpUpstream
+from tokenpipe.upstream.http import MODELS_RETRY, HttpUpstream
 
 log = logging.getLogger("tokenpipe.context")
 
@@ -44,13 +44,17 @@ def window_from_entry(entry: dict[str, Any]) -> int | None:
     return None
 
 
+#: (when the upstream is asked again, the windows it named by model)
+_Hit = tuple[float, dict[str, int]]
+
+
 class WindowDiscovery:
     """Asks each upstream's /v1/models for the windows it serves, cached for DISCOVERY_TTL."""
 
     def __init__(self, clock: Clock = MONOTONIC) -> None:
         self.clock = clock
-        self._cache: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
-        self._fetching: SingleFlight[tuple[float, dict[str, int]]] = SingleFlight()
+        self._cache: OrderedDict[str, _Hit] = OrderedDict()
+        self._fetching: SingleFlight[_Hit] = SingleFlight()
 
     async def window(self, upstream: HttpUpstream, model: str) -> int | None:
         hit = self._cache.get(upstream.name)
@@ -58,33 +62,42 @@ class WindowDiscovery:
             # One fetch per upstream at a time (bounded by its 5 s); the requests that need
             # it meanwhile await that fetch.
             hit = await self._fetching.do(upstream.name, lambda: self._refresh(upstream))
-        elif self.clock.now() - hit[0] > DISCOVERY_TTL:
+        elif self.clock.now() >= hit[0]:
             # Known: the answer stays, and the fetch runs in the background (as the model
             # list's, upstream/http.py), not on the way of the request that found it old.
             self._fetching.start(upstream.name, lambda: self._refresh(upstream))
         return hit[1].get(model)
 
-    async def _refresh(self, upstream: HttpUpstream) -> tuple[float, dict[str, int]]:
-        found = await self._fetch(upstream)
-        if found is None:  # the upstream cannot say now: what it said last stands
-            old = self._cache.get(upstream.name)
-            found = old[1] if old is not None else {}
-        hit = (self.clock.now(), found)
-        self._cache[upstream.name] = hit
+    def learn(self, upstream: HttpUpstream, data: Any) -> None:
+        """The windows of a /models answer asked for elsewhere (the gateway's warm-up)."""
+        self._store(upstream.name, self.clock.now() + DISCOVERY_TTL, windows_of(data))
+
+    async def _refresh(self, upstream: HttpUpstream) -> _Hit:
+        data = await upstream.models_json()
+        if data is not None:
+            return self._store(upstream.name, self.clock.now() + DISCOVERY_TTL, windows_of(data))
+        # The upstream cannot say now: what it said last stands (none: no windows), and it
+        # is asked again after MODELS_RETRY, as its model list is. (Kept for DISCOVERY_TTL,
+        # one failed ask left its models unbudgeted for a minute.)
+        old = self._cache.get(upstream.name)
+        return self._store(
+            upstream.name, self.clock.now() + MODELS_RETRY, old[1] if old is not None else {}
+        )
+
+    def _store(self, name: str, until: float, found: dict[str, int]) -> _Hit:
+        hit = self._cache[name] = (until, found)
         while len(self._cache) > MAX_DISCOVERED:
             self._cache.popitem(last=False)
         return hit
 
-    async def _fetch(self, upstream: HttpUpstream) -> dict[str, int] | None:
-        """The windows the upstream's /models names; None when it cannot say."""
-        data = await upstream.models_json()
-        if data is None:
-            return None
-        found: dict[str, int] = {}
-        entries = data.get("data") if isinstance(data, dict) else None
-        for entry in entries if isinstance(entries, list) else ():
-            if isinstance(entry, dict) and isinstance(entry.get("id"), str):
-                w = window_from_entry(entry)
-                if w:
-                    found[entry["id"]] = w
-        return found
+
+def windows_of(data: Any) -> dict[str, int]:
+    """The windows a /models answer names, by model."""
+    found: dict[str, int] = {}
+    entries = data.get("data") if isinstance(data, dict) else None
+    for entry in entries if isinstance(entries, list) else ():
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            w = window_from_entry(entry)
+            if w:
+                found[entry["id"]] = w
+    return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 from typing import Any
@@ -167,7 +168,18 @@ class HttpUpstream:
         (`listed_models`) and its context-window discovery each ask for the list."""
         return await self._json_flight.do(None, self._ask_models)
 
-    async def _ask_models(self) -> Any:
+    async def warm(self) -> Any:
+        """Asks for /models before any request needs it (the gateway's start): the first
+        connection is opened, the host looked up and the model list learned. Returns the
+        answer parsed (the window discovery learns from it too), or None, which marks
+        nothing: the first request asks as it would have. Logs nothing: an upstream that
+        is still starting does not answer yet."""
+        data = await self._json_flight.do(None, functools.partial(self._ask_models, quiet=True))
+        if data is not None:
+            self._learn(data, self.clock.now())
+        return data
+
+    async def _ask_models(self, quiet: bool = False) -> Any:
         # Anthropic's list is paged (20 models by default): its largest page holds all.
         path = "/models?limit=1000" if self.settings.api == "anthropic" else "/models"
         head = self._head("GET", path, "") + b"\r\n"
@@ -181,7 +193,8 @@ class HttpUpstream:
                 finally:
                     resp.close()
         except (TimeoutError, UpstreamError, GatewayError, orjson.JSONDecodeError):
-            log.warning("upstream %s: could not list its models", self.name)
+            if not quiet:
+                log.warning("upstream %s: could not list its models", self.name)
             return None
 
     def serves_responses_now(self) -> bool | None:
@@ -280,15 +293,21 @@ class HttpUpstream:
     async def _fetch_models(self) -> list[str] | None:
         now = self.clock.now()
         data = await self.models_json()
-        try:
-            self._models = [m["id"] for m in data["data"]]
-        except (KeyError, TypeError):
+        models = self._learn(data, now)
+        if models is None:
             if data is not None:
                 log.warning("upstream %s: its /models answer has no model list", self.name)
             self._models_failed_at = now
+        return models
+
+    def _learn(self, data: Any, now: float) -> list[str] | None:
+        """The model list of a /models answer, kept as of `now`; None if it holds none."""
+        try:
+            models = [m["id"] for m in data["data"]]
+        except (KeyError, TypeError):
             return None
-        self._models_at = now
-        return self._models
+        self._models, self._models_at = models, now
+        return models
 
 
 async def read_bounded(resp: h1.UpstreamResponse, limit: int = MAX_RESPONSE_BYTES) -> bytes:
