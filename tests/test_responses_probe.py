@@ -135,9 +135,13 @@ async def test_an_answer_is_kept_for_the_ttl_and_then_asked_again() -> None:
     clock.now = TTL - 1
     assert await probe.served() is True and len(upstream.asked) == 1
     clock.now = TTL + 1
-    assert probe.now() is None
-    assert await probe.served() is False  # the upstream changed its mind
-    assert len(upstream.asked) == 2 and upstream.asked[0] == responses_probe.TIMEOUT
+    upstream.gate.clear()
+    assert probe.now() is True  # due: the last answer, asked again in the background
+    assert await probe.served() is True and probe.now() is True  # (one question at a time)
+    upstream.gate.set()
+    assert probe._again is not None and await probe._again is False
+    assert probe.now() is False  # the upstream changed its mind
+    assert len(upstream.asked) == 2 and upstream.asked == [responses_probe.TIMEOUT] * 2
 
 
 async def test_an_answer_that_says_nothing_is_chat_until_retry_and_keeps_the_last_answer() -> None:
@@ -149,11 +153,14 @@ async def test_an_answer_that_says_nothing_is_chat_until_retry_and_keeps_the_las
     clock.now = RETRY + 1
     assert await probe.served() is True
     clock.now += TTL + 1
-    assert await probe.served() is True  # no answer this time: the last one stands
-    assert probe.answer is True and len(upstream.asked) == 3
-    assert probe.now() is True  # and it is asked again only after RETRY
+    assert await probe.served() is True  # asked again in the background
+    assert probe._again is not None and await probe._again is True
+    assert probe.answer is True and len(upstream.asked) == 3  # no answer: the last stands
+    assert probe.now() is True and len(upstream.asked) == 3  # not asked before RETRY
     clock.now += RETRY + 1
-    assert probe.now() is None
+    upstream.statuses.append(404)
+    assert probe.now() is True  # then asked again
+    assert await probe._again is False and len(upstream.asked) == 4
 
 
 async def test_only_one_request_waits_for_the_answer() -> None:

@@ -7,13 +7,16 @@ The question is `POST /responses` with the body `{}`: a server with the route re
 nothing: meanwhile requests are translated to chat, as for a `chat` upstream, and the upstream
 is asked again after RETRY seconds.
 
-Only one request waits for the answer (one round trip on a pooled connection, at most
+Only the first request waits for the answer (one round trip on a pooled connection, at most
 TIMEOUT): requests that arrive while it is asked take the last answer (chat before the
-first), so a cold burst never queues behind the probe.
+first), so a cold burst never queues behind the probe. Once there is a definite answer, it is
+asked again (past TTL, or RETRY after an answer that said nothing) in the background, and the
+request that found it due takes the last answer too: before, one request an hour waited.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -55,12 +58,23 @@ class ResponsesProbe:
         #: When the upstream is asked next (clock seconds): now, at first.
         self._due = -1.0
         self._asking = False
+        #: The question last asked again in the background (`now`).
+        self._again: asyncio.Task[bool] | None = None
 
     def now(self) -> bool | None:
-        """The answer without asking, or None when this caller should ask (`served`)."""
+        """The answer without asking, or None when this caller should ask (`served`): only
+        before the first definite answer; after it, a due question is asked in the
+        background and the last answer stands meanwhile."""
         if self._asking or self._clock() < self._due:
             return self._served is True
-        return None
+        if self._served is None:
+            return None
+        self._asking = True
+        self._again = asyncio.get_running_loop().create_task(self._answer(TIMEOUT))
+        # (`_ask` answers None for the failures it expects; anything else is retrieved here,
+        # not logged as never retrieved: the next due question asks again)
+        self._again.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return self._served
 
     async def served(self, limit: float = TIMEOUT) -> bool:
         """The answer, asked for when due, waiting at most `limit` (capped at TIMEOUT)
@@ -69,8 +83,11 @@ class ResponsesProbe:
         if known is not None:
             return known
         self._asking = True
+        return await self._answer(min(limit, TIMEOUT))
+
+    async def _answer(self, limit: float) -> bool:
         try:
-            status = await self._ask(min(limit, TIMEOUT))
+            status = await self._ask(limit)
         finally:  # cancelled with its request: the next request asks
             self._asking = False
         found = verdict(status)
