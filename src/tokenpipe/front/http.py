@@ -15,6 +15,9 @@ from importlib import resources
 
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import openai_schema as schema
+from tokenpipe.dialects.anthropic_schema import CountTokensRequest, MessagesRequest
+from tokenpipe.dialects.embeddings import EmbeddingsRequest
+from tokenpipe.dialects.responses_request import ResponsesRequest
 from tokenpipe.errors import GatewayError
 from tokenpipe.front import cors, drain, messages, models
 from tokenpipe.front.answer import serve
@@ -26,6 +29,16 @@ from tokenpipe.front.responses import responses
 from tokenpipe.front.wire import Request, Response, StreamResponse, json_response
 from tokenpipe.observe import logs, metrics, tracing
 from tokenpipe.pipeline import Gateway
+
+#: What the routes validate bodies as (schema.prepare'd when the front is built).
+REQUEST_TYPES = (
+    schema.ChatRequest,
+    schema.CompletionRequest,
+    MessagesRequest,
+    CountTokensRequest,
+    ResponsesRequest,
+    EmbeddingsRequest,
+)
 
 log = logging.getLogger("tokenpipe.front")
 access_log = logging.getLogger("tokenpipe.access")
@@ -184,6 +197,7 @@ def build(
     connection is closed after this long, and so is a new connection whose first request's
     head has not all arrived by then (slowloris). `access`: one log line per request."""
     front = Front(gateway)
+    schema.prepare(*REQUEST_TYPES)  # not on each type's first request
     front.add("POST", "/v1/chat/completions", chat_completions)
     front.add("POST", "/v1/completions", completions)
     messages.install(front)  # /v1/messages, /v1/messages/count_tokens (Anthropic's API)
