@@ -605,6 +605,42 @@ def test_fifty_sequential_requests_on_one_kept_alive_connection(gw: procs.Servic
 # --- 8. the deadline on a connection's head ----------------------------------------------
 
 
+def test_a_kept_alive_connection_outlives_the_head_deadline_but_a_head_begun_on_it_does_not(
+    quick: procs.Service,
+) -> None:
+    """The idle keep-alive (server.keepalive_seconds, 75 s by default) is not the deadline on
+    a head (read_timeout_seconds, here 1 s). Before they were one: a connection idle longer
+    than the head deadline was closed, below a load balancer's own idle timeout (AWS's ALB:
+    60 s against the default read timeout of 30), which then sent requests into the close."""
+    with Wire(quick.port) as w:
+        assert w.send(request("GET", "/healthz"))
+        assert w.answer().status == 200
+        readable, _, _ = select.select([w.sock], [], [], 2 * HEAD_DEADLINE)  # idle, past it
+        assert not readable, f"closed while idle: {w.until_closed(0.1)!r}"
+        assert w.send(request("GET", "/healthz"))  # served on the same connection
+        assert w.answer().status == 200
+        assert w.send(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # half a head
+        begun = time.monotonic()
+        w.until_closed(CLOSE_BY)
+        assert w.closed_at is not None
+        assert HEAD_DEADLINE * 0.8 <= w.closed_at - begun < CLOSE_BY
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_keepalive_seconds(
+    sim: procs.Service, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        f"server:\n  keepalive_seconds: 0.5\nupstreams:\n  - name: sim\n    url: {sim.url}/v1\n"
+    )
+    with procs.gateway("--config", str(cfg)) as g, Wire(g.port) as w:
+        assert w.send(request("GET", "/healthz"))
+        assert w.answer().status == 200
+        answered = time.monotonic()
+        assert w.until_closed(CLOSE_BY) == b""  # (the read timeout, 30 s, would be later)
+        assert w.closed_at is not None and w.closed_at - answered >= 0.4
+
+
 def test_a_connection_without_a_whole_head_is_closed_at_the_deadline_meanwhile_others_served(
     quick: procs.Service,
 ) -> None:

@@ -32,7 +32,7 @@ def slow_gateway(
 ) -> Iterator[procs.Service]:
     cfg: Path = tmp_path_factory.mktemp("slowloris") / "gw.yaml"
     cfg.write_text(
-        f"server:\n  read_timeout_seconds: {DEADLINE}\n"
+        f"server:\n  read_timeout_seconds: {DEADLINE}\n  keepalive_seconds: {DEADLINE}\n"
         f"upstreams:\n  - name: sim\n    url: {sim.url}/v1\n"
     )
     with procs.gateway("--config", str(cfg)) as g:
@@ -110,8 +110,9 @@ async def test_idle_connection_without_a_request_is_closed(slow_gateway: procs.S
 async def test_a_kept_alive_connection_closes_a_deadline_after_its_last_answer(
     slow_gateway: procs.Service,
 ) -> None:
-    """The idle deadline counts from the last answer, not from the connection's start: a
-    client idle for most of a deadline, then answered, has a whole deadline again."""
+    """The idle keep-alive (server.keepalive_seconds, here as long as the read deadline)
+    counts from the last answer, not from the connection's start: a client idle for most
+    of a deadline, then answered, has a whole keep-alive again."""
     reader, writer = await asyncio.open_connection("127.0.0.1", slow_gateway.port)
     await asyncio.sleep(DEADLINE * 0.6)  # the client idles (the scenario, not a wait)
     writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")

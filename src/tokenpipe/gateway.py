@@ -28,6 +28,7 @@ def build(settings: Settings) -> tuple[Front, Server]:
         Gateway(settings, router),
         # Also the deadline on a new connection's request head (slowloris).
         idle_seconds=min(75.0, server.read_timeout_seconds),
+        keepalive_seconds=server.keepalive_seconds,
         access=server.access_log,
     )
 

@@ -32,6 +32,11 @@ class ServerSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     drain_grace_seconds: Annotated[float, Meta(ge=0)] = 5.0
     #: A client must send its request headers and body within this time (seconds).
     read_timeout_seconds: PositiveFloat = 30.0
+    #: A kept-alive client connection is closed once idle this long after its last answer
+    #: (seconds). Keep it above the idle timeout of a load balancer in front (AWS's ALB:
+    #: 60 s), or the balancer may send a request on a connection the gateway is closing,
+    #: and its client gets a 502. A request begun on it has `read_timeout_seconds` again.
+    keepalive_seconds: PositiveFloat = 75.0
     #: Kernel send buffer of a streaming client's socket (bytes; 0: the kernel's autotuning,
     #: up to 4 MiB on Linux). Small, so a slow reader is noticed at once and gets merged
     #: events instead of a stale backlog parked in the kernel; tokens need little bandwidth.

@@ -191,11 +191,16 @@ _OPENAPI: bytes | None = None
 
 
 def build(
-    gateway: Gateway, *, idle_seconds: float = 75.0, access: bool = False
+    gateway: Gateway,
+    *,
+    idle_seconds: float = 75.0,
+    keepalive_seconds: float = 75.0,
+    access: bool = False,
 ) -> tuple[Front, Server]:
-    """The front's routes and the server that serves them. `idle_seconds`: an idle kept-alive
-    connection is closed after this long, and so is a new connection whose first request's
-    head has not all arrived by then (slowloris). `access`: one log line per request."""
+    """The front's routes and the server that serves them. `idle_seconds`: a request's head
+    must have all arrived this long after it began, or after the connection opened
+    (slowloris). `keepalive_seconds`: an idle kept-alive connection is closed after this
+    long. `access`: one log line per request."""
     front = Front(gateway)
     schema.prepare(*REQUEST_TYPES)  # not on each type's first request
     front.add("POST", "/v1/chat/completions", chat_completions)
@@ -213,6 +218,7 @@ def build(
         front,
         dispatch,
         idle_seconds=idle_seconds,
+        keepalive_seconds=keepalive_seconds,
         access=_access if access else None,
         decorate=(lambda r, h: cors.add_headers(front, r, h)) if front.cors else None,
     )

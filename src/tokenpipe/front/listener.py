@@ -20,12 +20,14 @@ class Server:
         handler: Handler,
         *,
         idle_seconds: float = 75.0,
+        keepalive_seconds: float = 75.0,
         access: Access | None = None,
         decorate: Callable[[Request, dict[str, str]], None] | None = None,
     ) -> None:
         self.app = app
         self.handler = handler
         self.idle_seconds = idle_seconds
+        self.keepalive_seconds = keepalive_seconds
         self.access = access
         self.decorate = decorate
         self.connections: set[HttpConnection] = set()

@@ -13,8 +13,9 @@ Bounds (each answered with a JSON 414 or 431 that echoes nothing, then the conne
 closes; other unparsable requests get a 400 alike):
 the request line and each header at most MAX_LINE bytes, the whole head MAX_HEAD, at most
 MAX_HEADERS headers, and at most MAX_HEAD bytes in a row that deliver nothing after the head
-(a chunked body's trailers or chunk lines). A new connection's head must arrive, and an idle
-kept-alive connection send its next request, within `idle_seconds`. At most MAX_PIPELINED
+(a chunked body's trailers or chunk lines). A new connection's head must arrive within
+`idle_seconds`, and so must a head begun on a kept-alive connection, counted from its first
+byte; an idle kept-alive connection is closed after `keepalive_seconds`. At most MAX_PIPELINED
 requests wait behind the one being answered (then the socket is not read until it is
 answered). A body is buffered up to wire.BODY_HIGH_WATER (then the socket is not read until
 the handler reads it); bodies themselves are bounded by the edge (front/edge.py). When a
@@ -69,6 +70,7 @@ class Hosting(Protocol):
     app: Any
     handler: Handler
     idle_seconds: float
+    keepalive_seconds: float
     access: Access | None
     decorate: Callable[[Request, dict[str, str]], None] | None
     connections: set[HttpConnection]
@@ -101,6 +103,7 @@ class HttpConnection(asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._kept = False  # the timer is the idle keep-alive's (not a head's deadline)
         self._paused = False  # reading paused (body high water or pipelined requests)
         self._body_paused = False
         self._writable: asyncio.Future[None] | None = None  # set while writing is paused
@@ -112,7 +115,7 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCPTransport
         self.server.connections.add(self)
-        self._arm()  # the first head must arrive in time (slowloris)
+        self._arm(self.server.idle_seconds)  # the first head must arrive in time (slowloris)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -181,6 +184,9 @@ class HttpConnection(asyncio.Protocol):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
+        if self._kept:  # a request on an idle kept-alive connection: its head is due in time
+            self._kept = False
+            self._arm(self.server.idle_seconds)
         self._in_head = True
         self._quiet = 0
         self._url = b""
@@ -329,7 +335,8 @@ class HttpConnection(asyncio.Protocol):
         if self._queue:
             self._start(self._queue[0])
         else:
-            self._arm()  # idle keep-alive
+            self._arm(self.server.keepalive_seconds)  # idle keep-alive
+            self._kept = True
 
     def _close_after(self, request: Request) -> None:
         """Closes once the answer is out. A body still arriving is read and dropped first,
@@ -397,9 +404,9 @@ class HttpConnection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
 
-    def _arm(self) -> None:
+    def _arm(self, seconds: float) -> None:
         self._disarm()
-        self._timer = self._loop.call_later(self.server.idle_seconds, self._idle)
+        self._timer = self._loop.call_later(seconds, self._idle)
 
     def _disarm(self) -> None:
         if self._timer is not None:
