@@ -10,7 +10,7 @@ way (on loopback ~1 ms; to a real upstream a TCP and a TLS handshake, 2-3 round 
 Each spell: `--quiet-s` seconds with no request, then one request to each target in turn
 (the order rotated every spell), then `--warm` more to each, `--gap-ms` apart. The client is
 c1_anatomy.py's blocking one, one keep-alive connection per target; a connection the hop
-closed while idle (tokenpipe closes a client's after 30 s) is opened again, and given 50 ms,
+closed while idle (tokenpipe closes a client's after 75 s) is opened again, and given 50 ms,
 before the timed request, so the client's own reconnect is not timed. Hops' upstream
 keep-alive: tokenpipe 30 s (`keepalive_seconds`), with its 2 most recently used connections
 kept up to 300 s (`warm_connections`, `warm_seconds`; a base tree may have no warm ones);

@@ -75,9 +75,9 @@ def _body(tokens: int) -> bytes:
 
 class Client:
     """One keep-alive connection, one streamed chat request at a time. A connection the
-    server closed while it sat idle (tokenpipe's `idle_seconds` is its read timeout, 30 s by
-    default, shorter than a long round of the other targets) is opened again before the
-    next request, outside the timed part."""
+    server closed while it sat idle (tokenpipe's `server.keepalive_seconds`, 75 s by
+    default, can be shorter than a long round of the other targets) is opened again before
+    the next request, outside the timed part."""
 
     def __init__(self, url: str, body: bytes) -> None:
         self.url = url
