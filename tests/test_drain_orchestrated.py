@@ -71,3 +71,34 @@ async def test_sigterm_drains_as_documented_for_orchestrators(tmp_path: Path) ->
             assert g.wait(5) == 0 or g.proc.returncode is not None
             exited_at = time.monotonic() - sent
             assert exited_at <= DRAIN + 2.0, exited_at
+
+
+async def test_ctrl_c_skips_the_grace_but_lets_an_open_stream_finish(tmp_path: Path) -> None:
+    """SIGINT comes from a terminal (`make run`), where no readiness probe waits for the
+    503s: the gateway does not wait `drain_grace_seconds` (here 30 s) but still lets an open
+    stream end whole, then exits. SIGTERM waits the grace (the test above)."""
+    with procs.sim("--ttft-ms", "10", "--itl-ms", "100", "--output-tokens", "10") as sim:
+        cfg = tmp_path / "gw.yaml"
+        cfg.write_text(
+            "server:\n  drain_seconds: 60\n  drain_grace_seconds: 30\n"
+            f"upstreams:\n  - name: sim\n    url: {sim.url}/v1\n"
+        )
+        with procs.gateway("--config", str(cfg), "--drain-grace-seconds", "30") as g:
+            body = {
+                "model": "sim-model",
+                "stream": True,
+                "max_tokens": 10,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            async with (
+                aiohttp.ClientSession() as client,
+                client.post(g.url + "/v1/chat/completions", json=body) as stream,
+            ):
+                assert stream.status == 200
+                await stream.content.readline()  # open and flowing (~1 s to go)
+                g.signal(signal.SIGINT)
+                sent = time.monotonic()
+                rest = (await stream.content.read()).decode()
+            assert rest.rstrip().endswith("data: [DONE]")  # ended whole
+            assert g.wait(10) == 0  # (a bound for the failure: the grace is 30 s)
+            assert time.monotonic() - sent < 10

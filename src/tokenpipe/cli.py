@@ -89,7 +89,7 @@ def main() -> None:
     type=float,
     default=None,
     help="After SIGTERM, keep answering (/readyz and new requests: 503) for at least this long,"
-    " so probes see it.  [default: 5]",
+    " so probes see it (not after Ctrl-C).  [default: 5]",
 )
 @click.option(
     "--log-level",

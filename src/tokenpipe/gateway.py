@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -80,8 +81,11 @@ async def _run(settings: Settings, sock: socket.socket | None) -> None:
             )
         serving.settle_heap()  # start-up is done: out of the collector's way
         serving.announce(f"tokenpipe gateway listening on http://{server_settings.host}:{port}")
-        await serving.until_signalled()
+        stopped_by = await serving.until_signalled()
         drain = server_settings.drain_seconds
+        # Ctrl-C (SIGINT) comes from a terminal, where no readiness probe waits to see the
+        # 503s: open streams still finish, but the grace is not waited for.
+        grace = 0.0 if stopped_by == signal.SIGINT else server_settings.drain_grace_seconds
         print(f"tokenpipe gateway draining (up to {drain:g} s)", file=sys.stderr, flush=True)
         gw.draining = True
         # Both fronts drain at the same time, each within drain_seconds: gRPC stops
@@ -89,6 +93,6 @@ async def _run(settings: Settings, sock: socket.socket | None) -> None:
         grpc_stop = (
             asyncio.ensure_future(grpc_server.stop(drain)) if grpc_server is not None else None
         )
-        await front.drain.run(server_settings.drain_grace_seconds, drain)
+        await front.drain.run(grace, drain)
         if grpc_stop is not None:
             await grpc_stop

@@ -125,13 +125,18 @@ async def serve(
             await extra
 
 
-async def until_signalled() -> None:
-    """Returns at the first SIGTERM or SIGINT."""
-    stop = asyncio.Event()
+async def until_signalled() -> signal.Signals:
+    """Returns at the first SIGTERM or SIGINT: which one."""
     loop = asyncio.get_running_loop()
+    got: asyncio.Future[signal.Signals] = loop.create_future()
+
+    def note(sig: signal.Signals) -> None:
+        if not got.done():
+            got.set_result(sig)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, note, sig)
+    return await got
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:
