@@ -27,7 +27,7 @@ def build(settings: Settings) -> tuple[Front, Server]:
     server = settings.server
     return front_http.build(
         Gateway(settings, router),
-        # Also the deadline on a new connection's request head (slowloris).
+        # The deadline on a request's head (slowloris); the idle keep-alive is apart.
         idle_seconds=min(75.0, server.read_timeout_seconds),
         keepalive_seconds=server.keepalive_seconds,
         access=server.access_log,

@@ -20,6 +20,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from tokenpipe.flight import SingleFlight
+
 #: Longest wait of the request that asks (seconds): an answer to `{}` needs no model, so two
 #: seconds cover a fresh TLS connection across an ocean many times over.
 TIMEOUT = 2.0
@@ -58,8 +60,10 @@ class ResponsesProbe:
         #: When the upstream is asked next (clock seconds): now, at first.
         self._due = -1.0
         self._asking = False
-        #: The question last asked again in the background (`now`).
-        self._again: asyncio.Task[bool] | None = None
+        #: The question asked again in the background (`now`): one at a time, its error
+        #: retrieved (flight.py).
+        self._flight: SingleFlight[bool] = SingleFlight()
+        self._again: asyncio.Task[bool] | None = None  # the last one
 
     def now(self) -> bool | None:
         """The answer without asking, or None when this caller should ask (`served`): only
@@ -70,10 +74,7 @@ class ResponsesProbe:
         if self._served is None:
             return None
         self._asking = True
-        self._again = asyncio.get_running_loop().create_task(self._answer(TIMEOUT))
-        # (`_ask` answers None for the failures it expects; anything else is retrieved here,
-        # not logged as never retrieved: the next due question asks again)
-        self._again.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._again = self._flight.start(None, lambda: self._answer(TIMEOUT))
         return self._served
 
     async def served(self, limit: float = TIMEOUT) -> bool:
