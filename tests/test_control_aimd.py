@@ -78,6 +78,20 @@ def test_slow_start_leaves_an_idle_upstream_alone() -> None:
     assert a.limit == 10
 
 
+def test_an_opened_limit_falls_to_half_the_flight_at_its_first_drop() -> None:
+    """After `open` half the maximum says nothing of the upstream; half of what was in
+    flight when the dropped request was sent does (TCP's ssthresh)."""
+    a = AIMDLimit(32, maximum=1024, clock=ManualClock(), slow_start=True)
+    assert a.open() == 1024 and a.allows(1023)
+    a.sample(inflight=300, dropped=True)
+    assert a.limit == 150 and not a.slow_start
+    assert a.open() == 150  # slow start is over: nothing opens it again
+    b = AIMDLimit(32, maximum=1024, clock=ManualClock(), slow_start=True)
+    b.open()
+    b.sample(inflight=5, dropped=True)
+    assert b.limit == 32 * 0.9  # not below the plain decrease of the initial limit
+
+
 def test_a_full_upstream_caps_the_limit_at_what_it_holds_and_growth_slows_to_one_a_round() -> None:
     a = AIMDLimit(32, clock=ManualClock(), slow_start=True)
     for _ in range(100):  # a cold burst doubles the limit round by round

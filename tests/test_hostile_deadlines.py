@@ -121,9 +121,7 @@ tail:
         procs.sim("--ttft-ms", "50", "--itl-ms", "1") as sim,
         procs.gateway("--config", _config(tmp_path, sim.url, extra)) as gw,
     ):
-        before = await _metrics(gw)
         limit_key = 'tokenpipe_concurrency_limit{upstream="up"}'
-        assert before[limit_key] == 16
         sem = asyncio.Semaphore(30)
         statuses: list[int] = []
 
@@ -136,16 +134,21 @@ tail:
                     statuses.append(r.status)
 
         async with aiohttp.ClientSession() as s:
+            # An answer from loopback opens the cold limit (control/limiter.py): from 16 to
+            # the maximum, where a drop would show.
+            await one(s, 1, "30")
+            before = await _metrics(gw)
+            assert before[limit_key] == 1024
             # The burst: deadlines that pass before anything is sent.
             await asyncio.gather(*(one(s, i, "1e-9") for i in range(351)))
             after = await _metrics(gw)
-            assert after[limit_key] == 16, after[limit_key]
+            assert after[limit_key] == 1024, after[limit_key]
             assert after['tokenpipe_upstream_state{upstream="up"}'] == 0  # closed
             # Deadlines that pass while waiting for the first token (0.02 s < the sim's
             # 50 ms TTFT): the upstream answered 200, then the client's bound struck.
             await asyncio.gather(*(one(s, i, "0.02") for i in range(150)))
         after = await _metrics(gw)
-    assert after[limit_key] >= 16, after[limit_key]
+    assert after[limit_key] == 1024, after[limit_key]
     assert after['tokenpipe_upstream_state{upstream="up"}'] == 0  # closed
     assert statuses.count(200) + statuses.count(504) == len(statuses), set(statuses)
 

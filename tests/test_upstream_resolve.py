@@ -14,7 +14,7 @@ from yarl import URL
 from tests.local_app import serving
 from tokenpipe.clock import ManualClock
 from tokenpipe.upstream import h1
-from tokenpipe.upstream.resolve import Resolver
+from tokenpipe.upstream.resolve import Resolver, is_private
 
 
 async def test_connections_opened_together_share_one_lookup_until_the_ttl() -> None:
@@ -93,3 +93,11 @@ async def test_a_burst_of_new_connections_to_a_named_host_looks_it_up_once() -> 
             assert pool.resolver.lookups == 1
         finally:
             pool.close()
+
+
+def test_private_addresses_are_this_machine_and_private_networks_only() -> None:
+    near = ["127.0.0.1", "10.1.2.3", "172.16.0.9", "192.168.1.1", "169.254.0.5", "::1"]
+    near += ["fd12::1", "fe80::1%eth0", "::ffff:10.0.0.1"]
+    far = ["8.8.8.8", "104.18.6.192", "2606:4700::6812:6c0", "::ffff:8.8.8.8", "not-an-ip"]
+    assert all(is_private(a) for a in near)
+    assert not any(is_private(a) for a in far)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from tokenpipe.control.limiter import rate_headers
+from tokenpipe.control.ratelimit_headers import rate_headers
 from tokenpipe.control.store import Decision, Limits, Spec, Store
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics

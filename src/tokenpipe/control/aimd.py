@@ -23,6 +23,16 @@ The first drop ends it, and the limit falls by half, the last round's doubling, 
 below the plain decrease of the initial limit (a drop before any growth costs what it did
 without slow start).
 
+Opening (`open`): doubling per round of answers is for an upstream whose limits are out of
+sight (a provider that publishes no quota: the probe finds it at 2x its limit, not 30x). For
+the others the limiter opens at the first answer: the limit goes to the maximum and the rest
+of a cold burst goes out at once (limiter.py says which upstreams). A round of answers is
+short on the wire but not on a busy gateway: in a burst of 1,000 streams the answers wait in
+the event loop's queue behind the burst's own requests, and 96% of the burst waited for the
+limit, 97 s summed (`benchmarks/burst.py`). After opening, the first drop falls to half of
+what was in flight when the dropped request was sent (TCP's ssthresh after a loss: half the
+flight size), since half the maximum says nothing about the upstream.
+
 A full upstream (`cap`): a 503 or 529 refusal while the upstream holds streams it accepted
 says how many it can hold, so the limit falls to that count at once (not below the minimum)
 and slow start ends; no multiplicative drop is taken off that count (the limiter does not
@@ -52,6 +62,7 @@ class AIMDLimit:
         "limit",
         "maximum",
         "minimum",
+        "opened",
         "slow_start",
     )
 
@@ -76,6 +87,7 @@ class AIMDLimit:
         self.slow_start = slow_start  # until the first drop (module doc)
         self._last_drop = -float("inf")
         self.capped = False  # a full upstream was seen: growth is one per round (`cap`)
+        self.opened = False  # slow start went to the maximum at once (`open`)
 
     def sample(self, inflight: int, dropped: bool) -> float:
         """Records one finished request (`inflight`: how many were in flight at its start)."""
@@ -86,11 +98,20 @@ class AIMDLimit:
                 kept = self.limit * self.backoff
                 if self.slow_start:
                     self.slow_start = False
-                    kept = min(kept, max(self.limit / 2, self.initial * self.backoff))
+                    flight = min(self.limit, inflight) if self.opened else self.limit
+                    kept = min(kept, max(flight / 2, self.initial * self.backoff))
                 self.limit = max(self.minimum, kept)
         elif inflight * 2 >= self.limit:
             step = 2.0 if self.slow_start else (1.0 / self.limit if self.capped else 1.0)
             self.limit = min(self.maximum, self.limit + step)
+        return self.limit
+
+    def open(self) -> float:
+        """The upstream's first answer says it needs no probing (module doc): in slow start,
+        the limit goes to the maximum at once. A drop or a full upstream later lowers it."""
+        if self.slow_start and not self.opened:
+            self.opened = True
+            self.limit = self.maximum
         return self.limit
 
     def cap(self, accepted: int) -> float:

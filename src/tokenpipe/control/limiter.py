@@ -9,6 +9,18 @@ that sends a thousand requests delays another key's next request by at most one 
 One dispatcher task, owned by the limiter, serves the queue; it exists only while someone
 waits. Bounds: at most `max_waiting` waiters (the next one gets 429 at once) and each waits
 at most its deadline (then 429 with Retry-After and x-ratelimit-* headers).
+
+A cold concurrency limit (`limits.initial_concurrency`) lets that many requests out before
+anything is known of the upstream. It opens (`AIMDLimit.open`) at the upstream's first 200,
+or at its answer to the gateway's warm-up (pipeline.py), when the upstream needs no probing:
+- it is on this machine or a private network: a self-hosted engine (vLLM, llama.cpp,
+  `tokenpipe local`) has no provider's quota, and one that is full queues or refuses (503),
+  which `AIMDLimit.cap` handles;
+- or its quotas are known, published in rate-limit headers or in the config: the buckets
+  pace the rest.
+A public upstream with no quota known may have limits out of sight: slow start probes them,
+doubling the limit per round of answers, so that a hidden quota of 100 requests is met by
+~130 requests in flight, not a whole burst.
 """
 
 from __future__ import annotations
@@ -26,8 +38,8 @@ from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control import ratelimit_headers
 from tokenpipe.control.aimd import AIMDLimit
 from tokenpipe.control.bounds import ClampLog
-from tokenpipe.control.ratelimit_headers import Reading, go_duration
-from tokenpipe.control.store import Decision, Limits, Spec, Store
+from tokenpipe.control.ratelimit_headers import learned_spec, rate_headers
+from tokenpipe.control.store import Decision, Limits, Store
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
 
@@ -246,11 +258,14 @@ class Limiter:
 
     # -- learning and releasing ------------------------------------------------------------
 
-    async def observe(self, permit: Permit, status: int, headers: Mapping[str, str]) -> bool:
+    async def observe(
+        self, permit: Permit, status: int, headers: Mapping[str, str], private: bool = False
+    ) -> bool:
         """The upstream answered `permit`'s request: learn its limits and any pause. True:
         the answer is a refusal from an upstream that is full, not failing (a 503 or 529
         while it holds streams it accepted): the limit falls to what it holds, and the
-        request may wait for a slot again (router/attempt.py)."""
+        request may wait for a slot again (router/attempt.py). `private`: the answer came
+        from this machine or a private network (the module doc: it opens a cold limit)."""
         info = (
             ratelimit_headers.parse(headers, self.wall())
             if self.learn_enabled or status == 429
@@ -260,8 +275,8 @@ class Limiter:
             _clamp_log.report(self.name, info.notes)
         if info and self.learn_enabled:
             learned = Limits(
-                _learned(self.limits.requests, info.requests),
-                _learned(self.limits.tokens, info.tokens),
+                learned_spec(self.limits.requests, info.requests),
+                learned_spec(self.limits.tokens, info.tokens),
             )
             # Kept when equal (as it is on most answers): the store fits a scope's buckets
             # once per Limits object, so a new equal one would refit them on every answer.
@@ -289,6 +304,8 @@ class Limiter:
             permit.grew = True
             self.accepted += 1
             self.concurrency.sample(permit.inflight_at_start, False)
+            if private or self.limits:
+                self.open()
             self.concurrency.holds(self.accepted)
             self._m_conc.set(self.concurrency.limit)
         full = False
@@ -302,6 +319,12 @@ class Limiter:
             await self.store.pause(self.scope, retry)
         self._wake.set()
         return full
+
+    def open(self) -> None:
+        """The upstream needs no probing (the module doc): a cold limit opens."""
+        if self.concurrency is not None and self.concurrency.slow_start:
+            self._m_conc.set(self.concurrency.open())
+            self._wake.set()
 
     def release(
         self,
@@ -376,34 +399,3 @@ class Limiter:
         self._queues.clear()
         self._turns.clear()
         self._waiting = 0
-
-
-def _learned(old: Spec | None, reading: Reading | None) -> Spec | None:
-    """Headers correct the configured (or earlier learned) bucket."""
-    if reading is None or reading.rate is None:
-        return old
-    rate = reading.rate
-    depth = reading.capacity()
-    if depth is None:
-        depth = old.capacity if old is not None else rate * ratelimit_headers.WINDOW
-    if old is not None and math.isclose(old.rate, rate):
-        # Same limit: the deepest estimate so far is the closest (estimates only undershoot).
-        depth = max(depth, old.capacity)
-    return Spec(rate, max(1.0, depth))
-
-
-def rate_headers(limits: Limits, d: Decision | None) -> dict[str, str]:
-    """OpenAI-style `x-ratelimit-*` headers describing `limits` as of decision `d`."""
-    out: dict[str, str] = {}
-    for kind, spec, level in (
-        ("requests", limits.requests, d.remaining_requests if d else None),
-        ("tokens", limits.tokens, d.remaining_tokens if d else None),
-    ):
-        if spec is None:
-            continue
-        left = spec.capacity if level is None else max(0.0, level)
-        out[f"x-ratelimit-limit-{kind}"] = str(int(spec.rate * ratelimit_headers.WINDOW))
-        out[f"x-ratelimit-remaining-{kind}"] = str(int(left))
-        reset = (spec.capacity - left) / spec.rate if spec.rate > 0 else 0.0
-        out[f"x-ratelimit-reset-{kind}"] = go_duration(max(0.0, reset))
-    return out

@@ -10,6 +10,9 @@ Nothing is believed unbounded (see `bounds`): non-finite, negative and unparsabl
 left out, a limit below `MIN_LIMIT` is left out (0 would block the upstream forever), pauses
 are capped at `MAX_PAUSE`, resets at `MAX_RESET`, counts at `MAX_COUNT`. `RateLimits.notes`
 says what was dropped or clamped, for a rate-limited log line.
+
+And the two ends of it: `learned_spec` turns a reading into a bucket, `rate_headers` writes
+the same headers for the gateway's own 429s.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from datetime import datetime
 from email.utils import parsedate_to_datetime
 
 from tokenpipe.control.bounds import MAX_COUNT, MAX_PAUSE, MAX_RESET, MIN_LIMIT, show
+from tokenpipe.control.store import Decision, Limits, Spec
 
 #: The period both providers' `limit` headers refer to (seconds): requests/tokens per minute.
 WINDOW = 60.0
@@ -247,3 +251,34 @@ def go_duration(seconds: float) -> str:
     minutes, secs = divmod(seconds, 60)
     s = f"{secs:.3f}".rstrip("0").rstrip(".")
     return f"{int(minutes)}m{s}s" if minutes else f"{s}s"
+
+
+def learned_spec(old: Spec | None, reading: Reading | None) -> Spec | None:
+    """Headers correct the configured (or earlier learned) bucket."""
+    if reading is None or reading.rate is None:
+        return old
+    rate = reading.rate
+    depth = reading.capacity()
+    if depth is None:
+        depth = old.capacity if old is not None else rate * WINDOW
+    if old is not None and math.isclose(old.rate, rate):
+        # Same limit: the deepest estimate so far is the closest (estimates only undershoot).
+        depth = max(depth, old.capacity)
+    return Spec(rate, max(1.0, depth))
+
+
+def rate_headers(limits: Limits, d: Decision | None) -> dict[str, str]:
+    """OpenAI-style `x-ratelimit-*` headers describing `limits` as of decision `d`."""
+    out: dict[str, str] = {}
+    for kind, spec, level in (
+        ("requests", limits.requests, d.remaining_requests if d else None),
+        ("tokens", limits.tokens, d.remaining_tokens if d else None),
+    ):
+        if spec is None:
+            continue
+        left = spec.capacity if level is None else max(0.0, level)
+        out[f"x-ratelimit-limit-{kind}"] = str(int(spec.rate * WINDOW))
+        out[f"x-ratelimit-remaining-{kind}"] = str(int(left))
+        reset = (spec.capacity - left) / spec.rate if spec.rate > 0 else 0.0
+        out[f"x-ratelimit-reset-{kind}"] = go_duration(max(0.0, reset))
+    return out

@@ -115,6 +115,13 @@ class TrafficControl:
         upstream's rate limits like any request, but no client's quota."""
         return Ticket(self, INTERNAL_KEY, self.cost(request), None)
 
+    def answered_privately(self, upstream: str) -> None:
+        """`upstream` answered from this machine or a private network: a self-hosted engine,
+        whose cold concurrency limit opens (control/limiter.py)."""
+        limiter = self.limiters.get(upstream)
+        if limiter is not None:
+            limiter.open()
+
     async def start(self) -> None:
         await self.store.start()
 
@@ -168,13 +175,14 @@ class Ticket:
                 raise scope.error(True, "queued for upstream capacity") from None
             raise
 
-    async def arrived(self, status: int, headers: Mapping[str, str]) -> bool:
+    async def arrived(self, status: int, headers: Mapping[str, str], private: bool = False) -> bool:
         """The upstream answered (headers only): learn from them. True: it refused because it
-        is full (Limiter.observe), and the request may wait for a slot again."""
+        is full (Limiter.observe), and the request may wait for a slot again. `private`: it
+        answered from this machine or a private network."""
         self.status = status
         if self.permit is None:
             return False
-        return await self.permit.limiter.observe(self.permit, status, headers)
+        return await self.permit.limiter.observe(self.permit, status, headers, private)
 
     def failed(self, status: int | None) -> None:
         """Sending failed before any answer: 502 never reached it, 504 may have. None: it

@@ -216,7 +216,7 @@ async def send(
                 return a
             a.resp = resp
             a.span.status(resp.status)
-            full = await a.ticket.arrived(resp.status, resp.headers)
+            full = await a.ticket.arrived(resp.status, resp.headers, a.upstream.private)
             if resp.status == 429 or resp.status >= 500:
                 a.reason = "status_429" if resp.status == 429 else "status_5xx"
                 if full:

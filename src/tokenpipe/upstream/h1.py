@@ -42,7 +42,7 @@ from tokenpipe.upstream.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from tokenpipe.upstream.resolve import Resolver
+from tokenpipe.upstream.resolve import Resolver, is_private
 from tokenpipe.upstream.response import READ_MAX, UpstreamResponse
 from tokenpipe.upstream.reuse import resendable, reusable
 
@@ -108,6 +108,9 @@ class Pool:
         self.resent = 0  # requests sent again after a reused connection closed under them
         # The host's addresses, looked up once for every connection (upstream/resolve.py).
         self.resolver = Resolver(self.host, self.port)
+        #: The last connection's peer is on this machine or a private network (loopback,
+        #: RFC 1918, link-local, IPv6 unique local): a self-hosted engine, not a provider.
+        self.private = False
 
     async def request(self, head: bytes, body: bytes, timeout: float | None) -> UpstreamResponse:
         """Sends `head` (the request line and headers, ending in a blank line) and `body` in
@@ -207,6 +210,7 @@ class Pool:
                     if conn.lost:  # closed by the upstream as soon as accepted
                         raise UpstreamDisconnected("the upstream closed the connection at once")
                     self._members.add(conn)
+                    self.private = is_private(addr[0])
                     return conn
                 self.resolver.forget()  # none of them took it: look again next time
                 raise error or OSError(f"no address for {self.host}")

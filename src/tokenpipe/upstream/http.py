@@ -96,6 +96,11 @@ class HttpUpstream:
             )
         return self._pool
 
+    @property
+    def private(self) -> bool:
+        """Its last connection went to this machine or a private network (h1.Pool)."""
+        return self._pool is not None and self._pool.private
+
     def _head(self, method: str, path: str, accept: str) -> bytes:
         """The request line and the config's headers for `path` (cached per path)."""
         key = f"{method} {path}"

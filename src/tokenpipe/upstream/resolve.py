@@ -23,6 +23,8 @@ the system resolver's own timeouts). A failed lookup is not cached.
 from __future__ import annotations
 
 import asyncio
+import functools
+import ipaddress
 import socket
 from typing import Any
 
@@ -73,3 +75,16 @@ class Resolver:
     def forget(self) -> None:
         """The cached answer is dropped: the next connection looks the host up again."""
         self._infos = None
+
+
+@functools.lru_cache(maxsize=64)  # bound: 64 addresses (a pool's answer holds a few)
+def is_private(address: str) -> bool:
+    """`address` (an IP literal, as the resolver gives) is on this machine or a private
+    network: loopback, RFC 1918, link-local, IPv6 unique local, or IPv4 mapped onto those."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # fe80::1%eth0: the zone dropped
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_private or ip.is_loopback or ip.is_link_local
