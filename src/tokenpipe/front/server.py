@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import httptools
 
 from tokenpipe.errors import GatewayError
+from tokenpipe.front.refusal import Refused, refusal
 from tokenpipe.front.wire import (
     LINGER_BYTES,
     Request,
@@ -46,7 +47,6 @@ from tokenpipe.front.wire import (
     json_response,
 )
 from tokenpipe.http_fields import decoded
-from tokenpipe.rejections import LogBudget
 
 log = logging.getLogger("tokenpipe.front")
 
@@ -61,8 +61,6 @@ Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
 #: Called after each answer: (request, status, seconds taken).
 Access = Callable[[Request, int, float], None]
 
-_BUDGET = LogBudget()
-
 
 class Hosting(Protocol):
     """What a connection needs of the server that accepted it (front/listener.py)."""
@@ -74,15 +72,6 @@ class Hosting(Protocol):
     access: Access | None
     decorate: Callable[[Request, dict[str, str]], None] | None
     connections: set[HttpConnection]
-
-
-class _Refused(Exception):
-    """A head over its bounds (raised inside a parser callback), with its status: 414 for
-    the request line (RFC 9112 3), 431 for the headers (RFC 6585 5)."""
-
-    def __init__(self, what: str, status: int = 431) -> None:
-        super().__init__(what)
-        self.status = status
 
 
 class HttpConnection(asyncio.Protocol):
@@ -166,15 +155,15 @@ class HttpConnection(asyncio.Protocol):
                 self._queue[-1].keep_alive = False
             self._closing = True
         except Exception as e:  # every parser error is the client's
-            # A callback's own exception (a bound: _Refused) is the parser error's context.
+            # A callback's own exception (a bound: Refused) is the parser error's context.
             cause = e.__context__
-            self._refuse(cause if isinstance(cause, _Refused) else e)
+            self._refuse(cause if isinstance(cause, Refused) else e)
             return
         # httptools joins a header's (and a trailer's) pieces itself, so a head or a trailer
         # trickled forever is cut here: at most MAX_HEAD bytes in a row that deliver nothing
         # (no whole head, no body piece, no end), after the read the last delivery was in.
         if self._quiet > MAX_HEAD:
-            self._refuse(_Refused("head too large" if self._in_head else "trailers too large"))
+            self._refuse(Refused("head too large" if self._in_head else "trailers too large"))
 
     def eof_received(self) -> bool | None:
         """The client closed its side: it is gone (as aiohttp's server took it), so the
@@ -195,14 +184,14 @@ class HttpConnection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self._url += url
         if len(self._url) > MAX_LINE:
-            raise _Refused("request target too long", 414)
+            raise Refused("request target too long", 414)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         # Per header only this; each line's bound and the decoding are C calls on all of
         # them at the head's end (a line is held at most until MAX_HEAD, data_received).
         self._fields += (name, value)  # (fewer instructions than two appends)
         if len(self._fields) > 2 * MAX_HEADERS:
-            raise _Refused("too many headers")
+            raise Refused("too many headers")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -210,7 +199,7 @@ class HttpConnection(asyncio.Protocol):
         fields, self._fields = self._fields, []
         names, values = fields[::2], fields[1::2]
         if fields and max(map(operator.add, map(len, names), map(len, values))) > MAX_LINE:
-            raise _Refused("header too long")
+            raise Refused("header too long")
         parser = self._parser
         request = Request(
             self,
@@ -356,21 +345,7 @@ class HttpConnection(asyncio.Protocol):
         """A request the parser or the head bounds refused: a JSON 400 naming the kind of
         mistake, never the client's bytes, and the connection closes."""
         self._closing = True
-        kind = str(error) if isinstance(error, _Refused) else type(error).__name__
-        status = error.status if isinstance(error, _Refused) else 400
-        if _BUDGET.take(time.monotonic()):
-            more = f" ({_BUDGET.suppressed} more not logged)" if _BUDGET.suppressed else ""
-            _BUDGET.suppressed = 0
-            peer = self.transport.get_extra_info("peername")
-            log.warning(
-                "rejected an unparsable HTTP request from %s: %s%s",
-                peer[0] if peer else "-",
-                kind,
-                more,
-            )
-        err = GatewayError(
-            status, f"The request is not valid HTTP/1.1 ({kind}).", code="invalid_http_request"
-        )
+        err = refusal(error, self.transport.get_extra_info("peername"))
         if self._parsing is not None and not self._in_head:
             # Its body broke the framing: its handler answers this error when it reads.
             self._parsing.fail(err)
@@ -382,7 +357,7 @@ class HttpConnection(asyncio.Protocol):
             return
         body = err.json()
         headers = {"Content-Type": "application/json"}
-        self.transport.write(head_bytes(status, headers, False, len(body)) + body)
+        self.transport.write(head_bytes(err.status, headers, False, len(body)) + body)
         self.transport.close()
 
     def close_when_done(self) -> asyncio.Task[None] | None:
