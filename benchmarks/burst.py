@@ -8,6 +8,7 @@ limit starts at `limits.initial_concurrency`, 32).
     python benchmarks/burst.py --pin --relay         # each hop a core of its own
     python benchmarks/burst.py --relay --nginx       # + nginx as the proxy: a compiled hop
     python benchmarks/burst.py --sim-max-active 200  # a sim with 200 slots, refusing past them
+    python benchmarks/burst.py --sim-rpm 15000       # a sim with a quota: 500 at once, 250/s
     python benchmarks/burst.py --workers 2           # serve --workers 2 (both gateways)
     python benchmarks/burst.py --upstream-host localhost   # the sim by name: DNS per connect
     python benchmarks/burst.py --rounds 1 --profile results/burst_profile.txt
@@ -300,6 +301,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     sim_args: tuple[str, ...] = ("--ttft-ms", str(args.ttft_ms), "--itl-ms", f"{itl:g}")
     if args.sim_max_active:
         sim_args += ("--max-active", str(args.sim_max_active))
+    if args.sim_rpm:  # the bucket refills between bursts (each target's burst ~5 s apart)
+        sim_args += ("--rpm", f"{args.sim_rpm:g}", "--bucket-seconds", "2")
     refused: dict[str, int] = {}
     targets: dict[str, str | None] = {"direct": None, "tokenpipe": str(ROOT / "src")}
     if args.base:
@@ -331,7 +334,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         for row in rows:
             row["upstream_refused"] = refused.get(row["target"], 0)
         _print(args, rows)
-        if args.sim_max_active:
+        if args.sim_max_active or args.sim_rpm:
             for row in rows:
                 print(f"{row['target']}: the sim refused {row['upstream_refused']} requests")
         if args.profile:
@@ -385,6 +388,12 @@ def main() -> None:
         type=int,
         metavar="N",
         help="the sim refuses with 503 past N requests answering (an overloaded upstream)",
+    )
+    p.add_argument(
+        "--sim-rpm",
+        type=float,
+        metavar="R",
+        help="the sim enforces R requests a minute, 2 s deep (429 with x-ratelimit-* past it)",
     )
     p.add_argument("--profile", metavar="RAW", help="+ one burst under py-spy, stacks in RAW")
     p.add_argument("--json", default=str(ROOT / "results" / "burst.json"))

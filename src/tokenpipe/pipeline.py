@@ -103,8 +103,6 @@ class Gateway:
             data = await upstream.warm()
             if data is not None:
                 self.context.lookup.discovery.learn(upstream, data)
-                if upstream.private:  # a self-hosted engine: no quota for a burst to probe
-                    self.traffic.answered_privately(upstream.name)
                 return
             if waited + delay > WARM_SECONDS:
                 return

@@ -115,13 +115,6 @@ class TrafficControl:
         upstream's rate limits like any request, but no client's quota."""
         return Ticket(self, INTERNAL_KEY, self.cost(request), None)
 
-    def answered_privately(self, upstream: str) -> None:
-        """`upstream` answered from this machine or a private network: a self-hosted engine,
-        whose cold concurrency limit opens (control/limiter.py)."""
-        limiter = self.limiters.get(upstream)
-        if limiter is not None:
-            limiter.open()
-
     async def start(self) -> None:
         await self.store.start()
 
