@@ -273,12 +273,13 @@ async def test_a_503_from_an_upstream_holding_nothing_is_a_failure_not_full() ->
     await lim.close()
 
 
-async def test_a_cold_limit_opens_at_the_first_answer_of_an_upstream_needing_no_probe() -> None:
-    """A private upstream (a self-hosted engine), or one whose quotas are known, lets the
-    rest of a cold burst out at its first 200; a public one with no quota known is probed,
+async def test_a_cold_limit_opens_at_the_first_answer_of_a_private_upstream_with_no_quota() -> None:
+    """A private upstream that publishes no quota (a self-hosted engine) lets the rest of a
+    cold burst out at its first 200; a public one, or one that publishes a quota, is probed,
     slow start doubling per round of answers (control/limiter.py)."""
     quota = {"x-ratelimit-limit-requests": "6000", "x-ratelimit-remaining-requests": "5999"}
-    for private, headers, opens in ((True, {}, True), (False, quota, True), (False, {}, False)):
+    cases = ((True, {}, True), (True, quota, False), (False, quota, False), (False, {}, False))
+    for private, headers, opens in cases:
         clock = ManualClock()
         aimd = AIMDLimit(2, maximum=64, clock=clock, slow_start=True)
         lim = Limiter("u", MemoryStore(clock), concurrency=aimd, clock=clock, wall=lambda: 0.0)
@@ -298,22 +299,14 @@ async def test_a_cold_limit_opens_at_the_first_answer_of_an_upstream_needing_no_
         await lim.close()
 
 
-async def test_configured_quotas_open_a_cold_limit_and_a_drop_ended_slow_start_keeps_it() -> None:
+async def test_a_drop_before_the_first_answer_leaves_the_limit_probing() -> None:
     clock = ManualClock()
     aimd = AIMDLimit(2, maximum=64, clock=clock, slow_start=True)
-    configured = Limits(requests=Spec(rate=100.0, capacity=100.0))
-    lim = Limiter("u", MemoryStore(clock), configured=configured, concurrency=aimd, clock=clock)
+    lim = Limiter("u", MemoryStore(clock), concurrency=aimd, clock=clock, wall=lambda: 0.0)
+    refused = await lim.acquire("k", 1, deadline=1)
+    lim.release(refused, 429)  # a sign of overload came first: probing from here on
+    assert not aimd.slow_start
     permit = await lim.acquire("k", 1, deadline=1)
-    await lim.observe(permit, 200, {})
-    assert aimd.limit == 64  # the bucket paces the rest
-    lim.release(permit, 200)
-    clock2 = ManualClock()
-    aimd2 = AIMDLimit(2, maximum=64, clock=clock2, slow_start=True)
-    lim2 = Limiter("u", MemoryStore(clock2), concurrency=aimd2, clock=clock2)
-    refused = await lim2.acquire("k", 1, deadline=1)
-    lim2.release(refused, 429)  # a sign of overload came first: probing from here on
-    assert not aimd2.slow_start
-    lim2.open()
-    assert aimd2.limit == 2 * 0.9
+    await lim.observe(permit, 200, {}, private=True)
+    assert math.isclose(aimd.limit, 2 * 0.9 + 1)  # additive, not opened
     await lim.close()
-    await lim2.close()

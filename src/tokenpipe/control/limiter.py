@@ -11,19 +11,19 @@ waits. Bounds: at most `max_waiting` waiters (the next one gets 429 at once) and
 at most its deadline (then 429 with Retry-After and x-ratelimit-* headers).
 
 A cold concurrency limit (`limits.initial_concurrency`) lets that many requests out before
-anything is known of the upstream. It opens (`AIMDLimit.open`) at the upstream's first 200
-(whose headers the buckets have learned from by then) when the upstream needs no probing:
-- it is on this machine or a private network: a self-hosted engine (vLLM, llama.cpp,
-  `tokenpipe local`) has no provider's quota, and one that is full queues or refuses (503),
-  which `AIMDLimit.cap` handles;
-- or its quotas are known, published in rate-limit headers or in the config: the buckets
-  pace the rest.
-A public upstream with no quota known may have limits out of sight: slow start probes them,
-doubling the limit per round of answers, so that a hidden quota of 100 requests is met by
-~130 requests in flight, not a whole burst.
-Not at the warm-up (pipeline.py): a private server may enforce a quota too (a proxy, the
-sim's --rpm), which its first answer teaches; opened sooner, a burst on `sim --rpm 15000`
-drew a 429, whose drop halved the limit, and its p99 first token was 1.3 s later.
+anything is known of the upstream. It opens (`AIMDLimit.open`) at the first 200 of an
+upstream on this machine or a private network that publishes no quota in its headers: a
+self-hosted engine (vLLM, llama.cpp, `tokenpipe local`), which has no quota to probe and,
+when full, queues or refuses (503: `AIMDLimit.cap`). Any other upstream is probed by slow
+start, doubling the limit per round of answers:
+- a public one with no quota known may have limits out of sight: doubling meets a hidden
+  quota of 100 requests with ~130 in flight, not a whole burst;
+- one that publishes its quota is paced by the buckets learned from its headers, but each
+  answer's `remaining` counts only what the upstream had processed when it answered, and a
+  flood in flight is processed out of order: opened, a burst of 1,000 on `sim --rpm 15000`
+  was over-admitted by 148 requests, all refused (429); probed, by none.
+Not at the warm-up's answer (pipeline.py) either: a private server may enforce a quota (a
+proxy, the sim's --rpm) that only a request's answer shows.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ class Limiter:
             permit.grew = True
             self.accepted += 1
             self.concurrency.sample(permit.inflight_at_start, False)
-            if private or self.limits:
+            if private and not (info and (info.requests or info.tokens)):
                 self.open()
             self.concurrency.holds(self.accepted)
             self._m_conc.set(self.concurrency.limit)
