@@ -273,22 +273,36 @@ async def test_a_503_from_an_upstream_holding_nothing_is_a_failure_not_full() ->
     await lim.close()
 
 
-async def test_a_cold_limit_opens_at_the_first_answer_of_a_private_upstream_with_no_quota() -> None:
-    """A private upstream that publishes no quota (a self-hosted engine) lets the rest of a
-    cold burst out at its first 200; a public one, or one that publishes a quota, is probed,
-    slow start doubling per round of answers (control/limiter.py)."""
+async def test_a_cold_limit_opens_at_the_first_answer_of_an_upstream_needing_no_probe() -> None:
+    """A private upstream (a self-hosted engine), or one whose quotas are known (its headers
+    or the config), lets the rest of a cold burst out at its first 200; a public one with no
+    quota known is probed, slow start doubling per round of answers (control/limiter.py)."""
     quota = {"x-ratelimit-limit-requests": "6000", "x-ratelimit-remaining-requests": "5999"}
-    cases = ((True, {}, True), (True, quota, False), (False, quota, False), (False, {}, False))
-    for private, headers, opens in cases:
+    configured = Limits(requests=Spec(rate=100.0, capacity=100.0))
+    cases = (
+        (True, {}, None, True),
+        (True, quota, None, True),
+        (False, quota, None, True),
+        (False, {}, configured, True),
+        (False, {}, None, False),
+    )
+    for private, headers, limits, opens in cases:
         clock = ManualClock()
         aimd = AIMDLimit(2, maximum=64, clock=clock, slow_start=True)
-        lim = Limiter("u", MemoryStore(clock), concurrency=aimd, clock=clock, wall=lambda: 0.0)
+        lim = Limiter(
+            "u",
+            MemoryStore(clock),
+            configured=limits,
+            concurrency=aimd,
+            clock=clock,
+            wall=lambda: 0.0,
+        )
         first = [await lim.acquire("k", 1, deadline=1) for _ in range(2)]
         waiting = [asyncio.create_task(lim.acquire("k", 1, deadline=30)) for _ in range(10)]
         while lim.waiting < 10:
             await asyncio.sleep(0)
         await lim.observe(first[1], 200, headers, private=private)
-        assert aimd.limit == (64 if opens else 4), (private, headers)
+        assert aimd.limit == (64 if opens else 4), (private, headers, limits)
         if opens:  # the whole burst is out at once
             await asyncio.wait_for(asyncio.gather(*waiting), 5)
             assert lim.inflight == 12 and lim.waiting == 0
@@ -296,6 +310,33 @@ async def test_a_cold_limit_opens_at_the_first_answer_of_a_private_upstream_with
             for t in waiting:
                 t.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
+        await lim.close()
+
+
+async def test_answers_to_a_flood_arriving_out_of_order_never_learn_more_than_is_left() -> None:
+    """Ten requests sent together reach the upstream last first: the answer to the last
+    says 99 of 100 are left, but the nine others are on their way and will be counted. Its
+    answer counts from the oldest request still unanswered (`Limiter._since`), so the level
+    learned is at most the 90 really left (counted from its own reservation it was 99, and
+    the buckets let through nine requests the upstream then refused with 429)."""
+    headers = {
+        "x-ratelimit-limit-requests": "6000",  # 100 a second
+        "x-ratelimit-remaining-requests": "99",
+        "x-ratelimit-reset-requests": "10ms",
+    }
+    for sent_ago, most in ((0.0, 90.0), (2.0, 99.0)):
+        clock = ManualClock()
+        store = MemoryStore(clock)
+        lim = Limiter("u", store, clock=clock, wall=lambda: 0.0)
+        flood = [await lim.acquire("k", 1, deadline=1) for _ in range(10)]
+        clock.advance(sent_ago)  # past UNCOUNTED_S: the nine have reached the upstream
+        await lim.observe(flood[-1], 200, headers)
+        d = await store.reserve(lim.scope, lim.limits, 0)  # takes one more
+        assert d.remaining_requests is not None
+        assert most - 3 < d.remaining_requests + 1 <= most, (sent_ago, d.remaining_requests)
+        for permit in flood:
+            lim.release(permit, 200)
+        assert not lim._unanswered  # each left at its answer or release
         await lim.close()
 
 

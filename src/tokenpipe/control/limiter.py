@@ -5,25 +5,23 @@ the upstream's headers, or configured, and kept in a `Store`), and an adaptive c
 limit (`AIMDLimit`, this process only). A request takes a `Permit` when all three allow it.
 
 Fairness: waiters queue per API key (FIFO within a key) and the keys take turns, so a key
-that sends a thousand requests delays another key's next request by at most one turn.
+that sends a thousand requests delays another key's next request by at most one turn
+(control/fairqueue.py).
 One dispatcher task, owned by the limiter, serves the queue; it exists only while someone
 waits. Bounds: at most `max_waiting` waiters (the next one gets 429 at once) and each waits
 at most its deadline (then 429 with Retry-After and x-ratelimit-* headers).
 
 A cold concurrency limit (`limits.initial_concurrency`) lets that many requests out before
-anything is known of the upstream. It opens (`AIMDLimit.open`) at the first 200 of an
-upstream on this machine or a private network that publishes no quota in its headers: a
-self-hosted engine (vLLM, llama.cpp, `tokenpipe local`), which has no quota to probe and,
-when full, queues or refuses (503: `AIMDLimit.cap`). Any other upstream is probed by slow
-start, doubling the limit per round of answers:
-- a public one with no quota known may have limits out of sight: doubling meets a hidden
-  quota of 100 requests with ~130 in flight, not a whole burst;
-- one that publishes its quota is paced by the buckets learned from its headers, but each
-  answer's `remaining` counts only what the upstream had processed when it answered, and a
-  flood in flight is processed out of order: opened, a burst of 1,000 on `sim --rpm 15000`
-  was over-admitted by 148 requests, all refused (429); probed, by none.
-Not at the warm-up's answer (pipeline.py) either: a private server may enforce a quota (a
-proxy, the sim's --rpm) that only a request's answer shows.
+anything is known of the upstream. Its first 200 opens it (`AIMDLimit.open`) when the
+upstream needs no probing: it is on this machine or a private network, a self-hosted engine
+(vLLM, llama.cpp, `tokenpipe local`) with no provider's quota, which when full queues or
+refuses (503: `AIMDLimit.cap`); or its quotas are known (its headers, learned by then, or
+the config), and the buckets pace the rest. A public upstream with no quota known may have
+limits out of sight: slow start probes them, doubling the limit per round of answers, so a
+hidden quota of 100 is met with ~130 requests in flight, not a whole burst. Not at the
+warm-up's answer (pipeline.py): a private server may have a quota (a proxy, the sim's
+--rpm) that only a request's answer shows. An opened burst is a flood of requests that
+reach the upstream in any order, which learning from headers allows for (`_since`).
 """
 
 from __future__ import annotations
@@ -33,14 +31,15 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control import ratelimit_headers
 from tokenpipe.control.aimd import AIMDLimit
 from tokenpipe.control.bounds import ClampLog
+from tokenpipe.control.fairqueue import FairQueue, Waiter
 from tokenpipe.control.ratelimit_headers import learned_spec, rate_headers
 from tokenpipe.control.store import Decision, Limits, Store
 from tokenpipe.errors import GatewayError
@@ -65,6 +64,9 @@ TOKEN_MARGIN = 0.002
 #: Longest the dispatcher sleeps before looking again (seconds): news from headers or a
 #: released permit wake it sooner.
 MAX_NAP = 0.25
+#: Longest a request sent may not have reached the upstream yet (seconds): an answer is
+#: counted from the oldest request still unanswered that was sent within it (`_since`).
+UNCOUNTED_S = 1.0
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -83,13 +85,6 @@ class Permit:
     #: Refused by a full upstream: the limit was cut to what it holds (`observe`), which is
     #: what it can take, so the release takes no multiplicative share off that as well.
     full: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _Waiter:
-    key: str
-    tokens: float
-    future: asyncio.Future[Permit] = field(repr=False)
 
 
 class Limiter:
@@ -124,11 +119,12 @@ class Limiter:
         self._held = 0.0
         self._sleep = sleep or self._nap
         self._wake = asyncio.Event()
-        self._queues: dict[str, deque[_Waiter]] = {}
-        self._turns: deque[str] = deque()  # keys with waiters, in the order they are served
-        self._waiting = 0
+        self._queue = FairQueue()  # bound: max_waiting
         self._task: asyncio.Task[None] | None = None
         self._last: Decision | None = None
+        #: Permits the upstream has not answered yet, oldest first (with header learning
+        #: only). Bound: the permits in flight; each leaves at its answer or its release.
+        self._unanswered: OrderedDict[Permit, None] = OrderedDict()
         self._m_wait = metrics.LIMITER_WAIT.labels(name)
         self._m_429 = metrics.UPSTREAM_429.labels(name)
         self._m_conc = metrics.CONCURRENCY_LIMIT.labels(name)
@@ -139,14 +135,17 @@ class Limiter:
 
     @property
     def waiting(self) -> int:
-        return self._waiting
+        return self._queue.waiting
 
     def _concurrency_ok(self) -> bool:
         return self.concurrency is None or self.concurrency.allows(self.inflight)
 
     def _grant(self, key: str, tokens: float, d: Decision) -> Permit:
         self.inflight += 1
-        return Permit(self, key, tokens, d, self.inflight, self.clock.now())
+        permit = Permit(self, key, tokens, d, self.inflight, self.clock.now())
+        if self.learn_enabled:
+            self._unanswered[permit] = None
+        return permit
 
     async def acquire(
         self, key: str, tokens: float, deadline: float, front: bool = False
@@ -155,7 +154,7 @@ class Limiter:
         `front`: the request was refused as the upstream filled up (`observe`), and waits at
         the head of its key's queue, the place it had."""
         start = self.clock.now()
-        if not self._waiting and self._concurrency_ok():
+        if not self._queue.waiting and self._concurrency_ok():
             d = await self.store.reserve(self.scope, self.limits, tokens)
             self._last = d
             if d.wait == 0.0 and self._concurrency_ok():
@@ -163,10 +162,12 @@ class Limiter:
                 return self._grant(key, tokens, d)
             if d.wait == 0.0:  # lost the concurrency race while asking the store
                 self.store.give(self.scope, self.limits, 1.0, tokens)
-        if self._waiting >= self.max_waiting:
-            raise self._too_busy(f"{self._waiting} requests are already waiting")
-        waiter = _Waiter(key, tokens, asyncio.get_running_loop().create_future())
-        self._enqueue(waiter, front)
+        if self._queue.waiting >= self.max_waiting:
+            raise self._too_busy(f"{self._queue.waiting} requests are already waiting")
+        waiter = Waiter(key, tokens, asyncio.get_running_loop().create_future())
+        self._queue.push(waiter, front)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._dispatch())
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when
             # the caller is cancelled in the step the permit is granted, and the caller's
@@ -194,48 +195,10 @@ class Limiter:
         self._m_wait.observe(self.clock.now() - start)
         return permit
 
-    def _enqueue(self, w: _Waiter, front: bool = False) -> None:
-        q = self._queues.get(w.key)
-        if q is None:
-            q = self._queues[w.key] = deque()
-            self._turns.append(w.key)
-        if front:
-            q.appendleft(w)
-        else:
-            q.append(w)
-        self._waiting += 1
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._dispatch())
-
-    def _next(self) -> _Waiter | None:
-        """The head waiter of the key whose turn it is (dropping ones that gave up)."""
-        while self._turns:
-            key = self._turns[0]
-            q = self._queues[key]
-            while q and q[0].future.done():
-                q.popleft()
-                self._waiting -= 1
-            if q:
-                return q[0]
-            self._turns.popleft()
-            del self._queues[key]
-        return None
-
-    def _served(self, w: _Waiter) -> None:
-        """Removes `w` and passes the turn to the next key."""
-        key = self._turns.popleft()
-        q = self._queues[key]
-        q.popleft()
-        self._waiting -= 1
-        if q:
-            self._turns.append(key)
-        else:
-            del self._queues[key]
-
     async def _dispatch(self) -> None:
         while True:
             self._wake.clear()  # before looking, so news that comes while we nap wakes us
-            w = self._next()
+            w = self._queue.head()
             if w is None:
                 return
             if not self._concurrency_ok():
@@ -249,7 +212,7 @@ class Limiter:
             if w.future.done():  # gave up while the store answered: undo the reservation
                 self.store.give(self.scope, self.limits, 1.0, w.tokens)
                 continue
-            self._served(w)
+            self._queue.served()
             w.future.set_result(self._grant(w.key, w.tokens, d))
 
     async def _nap(self, seconds: float) -> None:
@@ -300,14 +263,15 @@ class Limiter:
                     rem_r -= REQUEST_MARGIN
                 if rem_t is not None and self.limits.tokens is not None:
                     rem_t -= TOKEN_MARGIN * self.limits.tokens.capacity
-                await self.store.learn(self.scope, self.limits, rem_r, rem_t, permit.decision)
+                since = self._since(permit)
+                await self.store.learn(self.scope, self.limits, rem_r, rem_t, since)
         if status == 200 and self.concurrency is not None and not permit.grew:
             # A success as soon as the upstream accepts (headers), not when the stream ends:
             # a burst above the limit then waits for the first answers, not for whole streams.
             permit.grew = True
             self.accepted += 1
             self.concurrency.sample(permit.inflight_at_start, False)
-            if private and not (info and (info.requests or info.tokens)):
+            if private or self.limits:
                 self.open()
             self.concurrency.holds(self.accepted)
             self._m_conc.set(self.concurrency.limit)
@@ -322,6 +286,30 @@ class Limiter:
             await self.store.pause(self.scope, retry)
         self._wake.set()
         return full
+
+    def _since(self, permit: Permit) -> Decision:
+        """The reservation `permit`'s answer counts from. An upstream's `remaining` counts
+        the requests it had received when it answered; the store subtracts those reserved
+        after this one, which is exact only if the upstream received them in that order.
+        Requests sent together over many connections arrive in any order: the oldest one
+        still unanswered may not have been counted, nor any after it. So the count starts
+        just before it: the level learned is at most what is really left (a few requests
+        under it while they are on their way), never above it, which cost 429s."""
+        pending = self._unanswered
+        pending.pop(permit, None)
+        cutoff = self.clock.now() - UNCOUNTED_S
+        while pending:
+            oldest = next(iter(pending))
+            if oldest.granted_at >= cutoff:
+                break
+            pending.popitem(last=False)  # long on its way: the upstream has it
+        else:
+            return permit.decision
+        d, mine = oldest.decision, permit.decision
+        if d.origin != mine.origin or d.seq_requests >= mine.seq_requests:
+            return mine
+        before = d.seq_tokens - oldest.tokens
+        return d._replace(seq_requests=d.seq_requests - 1.0, seq_tokens=before)
 
     def open(self) -> None:
         """The upstream needs no probing (the module doc): a cold limit opens."""
@@ -341,6 +329,7 @@ class Limiter:
         if permit.released:
             return
         permit.released = True
+        self._unanswered.pop(permit, None)
         self.inflight -= 1  # first: the slot comes back whatever the bookkeeping below does
         if permit.grew:
             self.accepted -= 1
@@ -365,7 +354,8 @@ class Limiter:
         retry = self.expected_wait(waited)
         return GatewayError(
             429,
-            f"Upstream '{self.name}' is at capacity ({why}; {self._waiting} requests waiting). "
+            f"Upstream '{self.name}' is at capacity "
+            f"({why}; {self._queue.waiting} requests waiting). "
             f"Please retry after {math.ceil(retry)} s.",
             code="rate_limit_exceeded",
             headers=headers,
@@ -377,7 +367,7 @@ class Limiter:
         of what the rate limit, the concurrency limit (permits held `_held` s on average, or
         at least `waited`: no permit came back while a request waited that long) and the
         store's last answer say; at least DEFAULT_RETRY, at most MAX_RETRY_AFTER."""
-        ahead = self._waiting + 1
+        ahead = self._queue.waiting + 1
         retry = DEFAULT_RETRY
         if self.limits.requests is not None and self.limits.requests.rate > 0:
             retry = max(retry, ahead / self.limits.requests.rate)
@@ -396,9 +386,5 @@ class Limiter:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for q in self._queues.values():
-            for w in q:
-                w.future.cancel()
-        self._queues.clear()
-        self._turns.clear()
-        self._waiting = 0
+        self._queue.cancel_all()
+        self._unanswered.clear()
