@@ -314,22 +314,25 @@ async def test_a_cold_limit_opens_at_the_first_answer_of_an_upstream_needing_no_
 
 
 async def test_answers_to_a_flood_arriving_out_of_order_never_learn_more_than_is_left() -> None:
-    """Ten requests sent together reach the upstream last first: the answer to the last
-    says 99 of 100 are left, but the nine others are on their way and will be counted. Its
-    answer counts from the oldest request still unanswered (`Limiter._since`), so the level
-    learned is at most the 90 really left (counted from its own reservation it was 99, and
-    the buckets let through nine requests the upstream then refused with 429)."""
+    """Ten requests sent together: the upstream answers the first (no headers), then the
+    last, which reached it second: its answer says 98 of 100 are left, but the eight others
+    are on their way and will be counted. Its answer counts from the oldest request still
+    unanswered (`Limiter._since`), so the level learned is at most the 90 really left
+    (counted from its own reservation it was 98, and the buckets let through eight requests
+    the upstream then refused with 429)."""
     headers = {
         "x-ratelimit-limit-requests": "6000",  # 100 a second
-        "x-ratelimit-remaining-requests": "99",
-        "x-ratelimit-reset-requests": "10ms",
+        "x-ratelimit-remaining-requests": "98",
+        "x-ratelimit-reset-requests": "20ms",
     }
-    for sent_ago, most in ((0.0, 90.0), (2.0, 99.0)):
+    for sent_ago, most in ((0.0, 90.0), (2.0, 98.0)):
         clock = ManualClock()
         store = MemoryStore(clock)
         lim = Limiter("u", store, clock=clock, wall=lambda: 0.0)
         flood = [await lim.acquire("k", 1, deadline=1) for _ in range(10)]
-        clock.advance(sent_ago)  # past UNCOUNTED_S: the nine have reached the upstream
+        await lim.observe(flood[0], 200, {})  # answered (no headers): counted, not pending
+        assert flood[0] not in lim._unanswered
+        clock.advance(sent_ago)  # past UNCOUNTED_S: the others have reached the upstream
         await lim.observe(flood[-1], 200, headers)
         d = await store.reserve(lim.scope, lim.limits, 0)  # takes one more
         assert d.remaining_requests is not None

@@ -232,6 +232,7 @@ class Limiter:
         while it holds streams it accepted): the limit falls to what it holds, and the
         request may wait for a slot again (router/attempt.py). `private`: the answer came
         from this machine or a private network (the module doc: it opens a cold limit)."""
+        self._unanswered.pop(permit, None)
         info = (
             ratelimit_headers.parse(headers, self.wall())
             if self.learn_enabled or status == 429
@@ -296,7 +297,6 @@ class Limiter:
         just before it: the level learned is at most what is really left (a few requests
         under it while they are on their way), never above it, which cost 429s."""
         pending = self._unanswered
-        pending.pop(permit, None)
         cutoff = self.clock.now() - UNCOUNTED_S
         while pending:
             oldest = next(iter(pending))
