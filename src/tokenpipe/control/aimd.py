@@ -109,7 +109,7 @@ class AIMDLimit:
     def open(self) -> float:
         """The upstream's first answer says it needs no probing (module doc): in slow start,
         the limit goes to the maximum at once. A drop or a full upstream later lowers it."""
-        if self.slow_start and not self.opened:
+        if self.slow_start:
             self.opened = True
             self.limit = self.maximum
         return self.limit

@@ -272,8 +272,8 @@ class Limiter:
             permit.grew = True
             self.accepted += 1
             self.concurrency.sample(permit.inflight_at_start, False)
-            if private or self.limits:
-                self.open()
+            if private or self.limits:  # no probing needed (the module doc)
+                self.concurrency.open()
             self.concurrency.holds(self.accepted)
             self._m_conc.set(self.concurrency.limit)
         full = False
@@ -310,12 +310,6 @@ class Limiter:
             return mine
         before = d.seq_tokens - oldest.tokens
         return d._replace(seq_requests=d.seq_requests - 1.0, seq_tokens=before)
-
-    def open(self) -> None:
-        """The upstream needs no probing (the module doc): a cold limit opens."""
-        if self.concurrency is not None and self.concurrency.slow_start:
-            self._m_conc.set(self.concurrency.open())
-            self._wake.set()
 
     def release(
         self,
