@@ -12,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import pytest
 
 from tests import procs
 
@@ -73,17 +74,22 @@ async def test_sigterm_drains_as_documented_for_orchestrators(tmp_path: Path) ->
             assert exited_at <= DRAIN + 2.0, exited_at
 
 
-async def test_ctrl_c_skips_the_grace_but_lets_an_open_stream_finish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_ctrl_c_skips_the_grace_but_lets_an_open_stream_finish(
+    tmp_path: Path, workers: str
+) -> None:
     """SIGINT comes from a terminal (`make run`), where no readiness probe waits for the
     503s: the gateway does not wait `drain_grace_seconds` (here 30 s) but still lets an open
-    stream end whole, then exits. SIGTERM waits the grace (the test above)."""
+    stream end whole, then exits. SIGTERM waits the grace (the test above). With `--workers`
+    the parent passes Ctrl-C on as Ctrl-C (it passed SIGTERM, and the workers waited)."""
     with procs.sim("--ttft-ms", "10", "--itl-ms", "100", "--output-tokens", "10") as sim:
         cfg = tmp_path / "gw.yaml"
         cfg.write_text(
             "server:\n  drain_seconds: 60\n  drain_grace_seconds: 30\n"
             f"upstreams:\n  - name: sim\n    url: {sim.url}/v1\n"
         )
-        with procs.gateway("--config", str(cfg), "--drain-grace-seconds", "30") as g:
+        args = ("--config", str(cfg), "--drain-grace-seconds", "30", "--workers", workers)
+        with procs.gateway(*args) as g:
             body = {
                 "model": "sim-model",
                 "stream": True,

@@ -86,7 +86,7 @@ async def _run(settings: Settings, sock: socket.socket | None) -> None:
         # Ctrl-C (SIGINT) comes from a terminal, where no readiness probe waits to see the
         # 503s: open streams still finish, but the grace is not waited for.
         grace = 0.0 if stopped_by == signal.SIGINT else server_settings.drain_grace_seconds
-        print(f"tokenpipe gateway draining (up to {drain:g} s)", file=sys.stderr, flush=True)
+        serving.announce(f"tokenpipe gateway draining (up to {drain:g} s)", sys.stderr)
         gw.draining = True
         # Both fronts drain at the same time, each within drain_seconds: gRPC stops
         # accepting, lets open streams finish, then cancels them.

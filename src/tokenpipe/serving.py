@@ -17,6 +17,8 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from types import FrameType
+from typing import TextIO
 
 from aiohttp import web
 
@@ -48,14 +50,15 @@ def settle_heap() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
-def announce(line: str) -> None:
-    """Prints `line` to stdout in one write. With `serve --workers N` the processes share
-    stdout, and unbuffered (PYTHONUNBUFFERED, as tests and benchmarks run it) print() writes
-    the text and its newline apart, so two workers' lines could interleave into one
-    ("...:8000tokenpipe gateway listening on ...:8000\n\n"). One write of fewer than
-    PIPE_BUF (4,096) bytes to a pipe is atomic."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def announce(line: str, stream: TextIO | None = None) -> None:
+    """Prints `line` to `stream` (stdout) in one write. With `serve --workers N` the
+    processes share stdout and stderr, and print() writes the text and its newline apart
+    (unbuffered, as tests and benchmarks run it, and always on stderr), so two workers'
+    lines could interleave into one ("...:8000tokenpipe gateway listening on ...:8000\n\n").
+    One write of fewer than PIPE_BUF (4,096) bytes to a pipe is atomic."""
+    out = stream or sys.stdout
+    out.write(line + "\n")
+    out.flush()
 
 
 def install_uvloop() -> None:
@@ -113,7 +116,7 @@ async def serve(
     try:
         await until_signalled()
     finally:
-        print(f"{name} draining (up to {drain_seconds:g} s)", file=sys.stderr, flush=True)
+        announce(f"{name} draining (up to {drain_seconds:g} s)", sys.stderr)
         if on_draining is not None:
             on_draining()
         # Both fronts drain at the same time, each within drain_seconds.
@@ -125,8 +128,27 @@ async def serve(
             await extra
 
 
+#: A Ctrl-C that came while the process was starting (`hold_interrupt`); bound: one entry.
+_interrupted: list[signal.Signals] = []
+
+
+def hold_interrupt(came: Callable[[], bool] = lambda: False) -> None:
+    """Until `until_signalled` takes over, a SIGINT is kept for it rather than raised: a
+    `serve --workers` worker gets Ctrl-C from the terminal and from its parent, and one that
+    is still starting stops once it has started (and drains what it has: nothing). `came`:
+    one came before this was called (asked after the handler is in place)."""
+
+    def keep(signum: int, frame: FrameType | None) -> None:
+        if not _interrupted:
+            _interrupted.append(signal.SIGINT)
+
+    signal.signal(signal.SIGINT, keep)
+    if came():
+        keep(signal.SIGINT, None)
+
+
 async def until_signalled() -> signal.Signals:
-    """Returns at the first SIGTERM or SIGINT: which one."""
+    """Returns at the first SIGTERM or SIGINT (or one held since start-up): which one."""
     loop = asyncio.get_running_loop()
     got: asyncio.Future[signal.Signals] = loop.create_future()
 
@@ -136,6 +158,8 @@ async def until_signalled() -> signal.Signals:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, note, sig)
+    if _interrupted:
+        note(_interrupted[0])
     return await got
 
 

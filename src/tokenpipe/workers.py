@@ -3,7 +3,7 @@
 The kernel spreads new connections over the processes. Limits stay whole: with the Redis
 backend all processes share the buckets; with the memory backend each process enforces
 1/N of every limit (`limits.workers`). The parent only holds the port, starts the workers,
-passes SIGTERM/SIGINT on (each worker drains on its own) and exits when they have.
+passes SIGTERM and SIGINT on as they came (each worker drains on its own) and exits when they have.
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ def reuseport_socket(host: str, port: int, listen: bool) -> socket.socket:
 
 
 def _worker(encoded: bytes, port: int, log_level: str) -> None:
+    early: list[int] = []  # a Ctrl-C while the modules load (~0.5 s), kept for later
+    signal.signal(signal.SIGINT, lambda signum, frame: early.append(signum))
     from tokenpipe import gateway, serving
     from tokenpipe.observe import logs
 
     # The parent's `--log-format` reaches spawned workers through the environment.
     logs.configure(log_level, os.environ.get(logs.FORMAT_ENV, "text"))
     cfg = msgspec.json.decode(encoded, type=Settings)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent turns Ctrl-C into SIGTERM
+    serving.hold_interrupt(lambda: bool(early))  # Ctrl-C while starting: stop once started
     sock = reuseport_socket(cfg.server.host, port, listen=True)
     serving.run(gateway.run(cfg, sock=sock))
 
@@ -67,9 +69,11 @@ def run(cfg: Settings, workers: int, log_level: str = "info") -> None:
         p.start()
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        # The signal as it came: on SIGTERM each worker drains within the grace (a probe
+        # may be watching); on Ctrl-C it lets its open streams finish without the grace.
         for p in procs:
             if p.is_alive() and p.pid is not None:
-                p.terminate()  # SIGTERM: each worker drains, then exits
+                os.kill(p.pid, signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
