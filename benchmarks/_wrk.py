@@ -13,10 +13,16 @@ from typing import Any
 
 from _common import ROOT, cpu_seconds
 
-_PROMPT = ("hello " * 24).strip()
-#: wrk's request: a 1-token streamed chat request for the sim's model, ~32 prompt tokens.
-SCRIPT = f"""wrk.method = "POST"
-wrk.body = '{{"model":"sim-model","messages":[{{"role":"user","content":"{_PROMPT}"}}],\\
+#: The prompt's bytes by default: 24 words, ~32 prompt tokens.
+PROMPT_BYTES = 143
+
+
+def lua(prompt_bytes: int = PROMPT_BYTES) -> str:
+    """wrk's request: a 1-token streamed chat request for the sim's model whose one message
+    is `prompt_bytes` of words."""
+    prompt = ("hello " * (prompt_bytes // 6 + 1))[:prompt_bytes].strip()
+    return f"""wrk.method = "POST"
+wrk.body = '{{"model":"sim-model","messages":[{{"role":"user","content":"{prompt}"}}],\\
 "max_tokens":1,"stream":true}}'
 wrk.headers["Content-Type"] = "application/json"
 """
@@ -26,18 +32,21 @@ def available() -> bool:
     return shutil.which("wrk") is not None
 
 
-def script() -> Path:
-    """SCRIPT in a file under .cache/ (wrk reads its Lua from a file)."""
-    path = ROOT / ".cache" / "wrk-chat.lua"
+def script(prompt_bytes: int = PROMPT_BYTES) -> Path:
+    """`lua(prompt_bytes)` in a file under .cache/ (wrk reads its Lua from a file)."""
+    path = ROOT / ".cache" / f"wrk-chat-{prompt_bytes}.lua"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(SCRIPT)
+    path.write_text(lua(prompt_bytes))
     return path
 
 
-def run(url: str, seconds: float, connections: int) -> tuple[int, int]:
-    """(requests answered, non-2xx answers) of one wrk run of SCRIPT against `url`, one wrk
-    thread holding `connections` keep-alive connections for `seconds`."""
-    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "-s", str(script()), url]
+def run(
+    url: str, seconds: float, connections: int, prompt_bytes: int = PROMPT_BYTES
+) -> tuple[int, int]:
+    """(requests answered, non-2xx answers) of one wrk run of `lua(prompt_bytes)` against
+    `url`, one wrk thread holding `connections` keep-alive connections for `seconds`."""
+    lua_file = str(script(prompt_bytes))
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "-s", lua_file, url]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     done = re.search(r"(\d+) requests in", out)
     if done is None:
@@ -46,11 +55,13 @@ def run(url: str, seconds: float, connections: int) -> tuple[int, int]:
     return int(done.group(1)), int(bad.group(1)) if bad else 0
 
 
-def measure(pid: int, url: str, seconds: float, connections: int) -> tuple[float, float, int]:
+def measure(
+    pid: int, url: str, seconds: float, connections: int, prompt_bytes: int = PROMPT_BYTES
+) -> tuple[float, float, int]:
     """One `run` against the server `pid`: (its CPU microseconds per request, its process
     and children counted; requests/s; non-2xx answers)."""
     before = cpu_seconds(pid)
-    n, bad = run(url, seconds, connections)
+    n, bad = run(url, seconds, connections, prompt_bytes)
     return (cpu_seconds(pid) - before) / max(n, 1) * 1e6, n / seconds, bad
 
 

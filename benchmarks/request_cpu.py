@@ -39,10 +39,12 @@ from _common import (
 from tokenpipe.bench.procs import Service
 
 
-def _measure(svc: Service | _nginx.Nginx, seconds: float, connections: int) -> tuple[float, float]:
+def _measure(
+    svc: Service | _nginx.Nginx, seconds: float, connections: int, prompt_bytes: int
+) -> tuple[float, float]:
     """(CPU microseconds of the serving process per request, requests/s) of one wrk run."""
     url = svc.url + "/v1/chat/completions"
-    cost, rate, bad = _wrk.measure(svc.pid, url, seconds, connections)
+    cost, rate, bad = _wrk.measure(svc.pid, url, seconds, connections, prompt_bytes)
     if bad:
         raise RuntimeError(f"{bad} answers were not 2xx")
     return cost, rate
@@ -60,6 +62,12 @@ def main() -> None:
     p.add_argument("--nginx", action="store_true", help="+ nginx as the proxy (compiled)")
     p.add_argument(
         "--reading-relay", action="store_true", help="+ the relay decoding what it forwards"
+    )
+    p.add_argument(
+        "--prompt-bytes",
+        type=int,
+        default=_wrk.PROMPT_BYTES,
+        help="the request's one message, in bytes (default ~32 tokens)",
     )
     p.add_argument("--json", default=str(ROOT / "results" / "request_cpu.json"))
     args = p.parse_args()
@@ -84,17 +92,22 @@ def main() -> None:
         if args.nginx:
             targets["nginx"] = stack.enter_context(_nginx.proxy(upstream))
         for svc in targets.values():  # warm-up: connections, caches, estimators
-            _measure(svc, 2, args.connections)
+            _measure(svc, 2, args.connections, args.prompt_bytes)
         us: dict[str, list[float]] = {name: [] for name in targets}
         rps: dict[str, list[float]] = {name: [] for name in targets}
         names = list(targets)
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                cost, rate = _measure(targets[name], args.seconds, args.connections)
+                cost, rate = _measure(
+                    targets[name], args.seconds, args.connections, args.prompt_bytes
+                )
                 us[name].append(cost)
                 rps[name].append(rate)
             print(f"  round {r + 1}/{args.rounds}", flush=True)
-    print(f"\n1-token chat requests, {len(answer)}-byte answer, wrk {args.connections} conns")
+    print(
+        f"\n1-token chat requests, {args.prompt_bytes}-byte prompt, {len(answer)}-byte answer,"
+        f" wrk {args.connections} conns"
+    )
     rows = _wrk.table(us, rps, "bare-relay")
     write_json(args.json, "request_cpu", args, rows=rows)
 

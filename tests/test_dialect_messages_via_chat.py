@@ -136,7 +136,14 @@ def test_the_request_is_written_as_a_chat_request() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("top_k", 5), ("thinking", {"type": "enabled", "budget_tokens": 1024})],
+    [
+        ("top_k", 5),
+        ("thinking", {"type": "enabled", "budget_tokens": 1024}),
+        # Not a choice chat has; an unhashable type was a 500 (the fuzz tests, at 10x).
+        ("tool_choice", {"type": 5}),
+        ("tool_choice", {"type": []}),
+        ("tool_choice", {"type": {}}),
+    ],
 )
 def test_what_chat_cannot_express_is_a_400_naming_the_field(field: str, value: Any) -> None:
     with pytest.raises(GatewayError) as e:

@@ -174,7 +174,7 @@ def _tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 def _tool_choice(choice: Any) -> Any:
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind in _CHOICE:
+    if isinstance(kind, str) and kind in _CHOICE:  # a list or an object is no key
         return _CHOICE[kind]
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
