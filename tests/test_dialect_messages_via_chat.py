@@ -151,6 +151,15 @@ def test_what_chat_cannot_express_is_a_400_naming_the_field(field: str, value: A
     assert e.value.status == 400 and e.value.param == field
 
 
+@pytest.mark.parametrize("content", [5, True, 1.5])
+def test_a_tool_result_whose_content_is_not_text_or_blocks_is_a_400(content: Any) -> None:
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": content}
+    body = {**REQUEST, "messages": [{"role": "user", "content": [result]}]}
+    with pytest.raises(GatewayError) as e:  # was a 500: an int is not iterable
+        chat_request(body)
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
 @pytest.mark.parametrize("source", ["https://example.com/a.png", None, 7])
 def test_an_image_source_that_is_not_an_object_is_a_400(source: Any) -> None:
     image = {"type": "image", "source": source}

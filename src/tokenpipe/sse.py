@@ -24,6 +24,19 @@ class SSEProtocolError(Exception):
     pass
 
 
+#: What a dialect's reading of an event raises when a value in the event's JSON has a type
+#: its reading does not expect (`"index": [0]`, `"usage": "x"`, `"delta": "x"`): the
+#: upstream's fault, made an SSEProtocolError (`shape_error`) like unparsable JSON, so the
+#: stream ends with the protocol error (502), never a 500, a retry or a breaker's count.
+SHAPE_ERRORS = (TypeError, AttributeError, KeyError, ValueError, IndexError)
+
+
+def shape_error(e: Exception) -> SSEProtocolError:
+    """The protocol error for `e`, one of SHAPE_ERRORS (its text bounded: it may quote the
+    upstream's values)."""
+    return SSEProtocolError(f"an event of an unexpected shape ({type(e).__name__}: {e!s:.80})")
+
+
 def encode(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 

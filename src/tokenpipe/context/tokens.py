@@ -217,7 +217,8 @@ def message_text(message: dict[str, Any]) -> str:
         parts.extend(
             p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
         )
-    for call in message.get("tool_calls") or ():
+    calls = message.get("tool_calls")  # untyped by the schema: the upstream judges it
+    for call in calls if isinstance(calls, list) else ():
         fn = call.get("function") if isinstance(call, dict) else None
         if isinstance(fn, dict):
             parts.append(str(fn.get("name", "")))

@@ -47,8 +47,12 @@ def _image(block: dict[str, Any]) -> dict[str, Any]:
 def _text(content: Any, field: str) -> str:
     if isinstance(content, str):
         return content
+    if content is None:
+        return ""
+    if not isinstance(content, list):  # a number or `true` (was a 500)
+        raise _bad(field, f"has content of type {type(content).__name__} where text fits")
     out = []
-    for block in content or ():
+    for block in content:
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise _bad(field, f"has a block of type {kind!r} where only text fits")

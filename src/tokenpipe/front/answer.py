@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Dialect
 from tokenpipe.errors import GatewayError
@@ -54,8 +55,13 @@ async def unary(call: Call, rid: str) -> tuple[int, Response]:
             raise GatewayError(
                 502, "Upstream sent a response that is not a JSON object.", code=PROTOCOL_ERROR
             )
-        tally.usage = call.dialect.usage_of(obj)
-        body = call.dialect.answer(body, obj)
+        try:
+            tally.usage = call.dialect.usage_of(obj)
+            body = call.dialect.answer(body, obj)
+        except sse.SHAPE_ERRORS as e:  # `"choices": 5`, `"content": 5`... (see sse.py)
+            raise GatewayError(
+                502, f"Upstream broke the protocol: {sse.shape_error(e)}.", code=PROTOCOL_ERROR
+            ) from None
         for name in _ENGINE_TIMING_HEADERS:  # the engine's own phases, for doctor and benches
             value = uresp.headers.get(name)
             if value is not None:

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
 from tokenpipe import request_ids, serving
+from tokenpipe import usage as usage_counts
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Piece
 from tokenpipe.dialects import openai_schema as schema
@@ -275,8 +276,10 @@ class _Session:
                     chat_pb2.ServerMessage(
                         request_id=rid,
                         usage=chat_pb2.Usage(
-                            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                            completion_tokens=int(usage.get("completion_tokens") or 0),
+                            # The counts as the upstream sent them (`clean` runs at the
+                            # close, later): a string or 1e30 there was a 500.
+                            prompt_tokens=usage_counts.count(usage.get("prompt_tokens")),
+                            completion_tokens=usage_counts.count(usage.get("completion_tokens")),
                         ),
                     )
                 )

@@ -56,7 +56,8 @@ class EventParser:
     (what a read held past that point is dropped, and so is every later read): a terminal event
     (`[DONE]`, the upstream's own error event, the API's own last event), which sets `ended`;
     and an event it cannot read (not JSON, a number out of a double's range, nesting too deep,
-    an SSE event over its bound), which sets `fault`. `feed` returns the pieces before either;
+    an SSE event over its bound, a value of a type the dialect does not expect), which sets
+    `fault`. `feed` returns the pieces before either;
     the reader delivers them and then asks `at_end()`, which raises the fault. So the client
     gets every event up to the fault in order, then the one error event, and never an event
     from after it."""
@@ -109,6 +110,9 @@ class EventParser:
             except sse.SSEProtocolError as e:
                 self.fault = e
                 return []
+            except sse.SHAPE_ERRORS as e:
+                self.fault = sse.shape_error(e)
+                return []
             if piece is None:
                 return []
             # A plain content delta, not recorded, has nothing to book (most events).
@@ -129,6 +133,9 @@ class EventParser:
                 piece = self.read(data, event, None, self.strip_usage)
             except sse.SSEProtocolError as e:
                 self.fault = e
+                return out
+            except sse.SHAPE_ERRORS as e:
+                self.fault = sse.shape_error(e)
                 return out
             if piece is None:
                 pass

@@ -276,7 +276,7 @@ async def _first_token(a: Attempt, resp: UpstreamResponse, dialect: Dialect) -> 
                 continue
             try:
                 piece = dialect.read(data, event, None, False)
-            except sse.SSEProtocolError:
+            except (sse.SSEProtocolError, *sse.SHAPE_ERRORS):
                 return  # the relay's parser reports it
             if piece is not None and piece.first:
                 return

@@ -308,8 +308,15 @@ class HttpUpstream:
     def _learn(self, data: Any, now: float) -> list[str] | None:
         """The model list of a /models answer, kept as of `now`; None if it holds none."""
         try:
-            models = [m["id"] for m in data["data"]]
-        except (KeyError, TypeError):
+            listed = data["data"]
+        except (KeyError, TypeError, IndexError):
+            return None
+        if not isinstance(listed, list):
+            return None
+        # An id that is not a string (`[1, "b"]`, `[["a"]]`) is skipped: one such id made the
+        # whole list a 500 (sorted, in a set), every other upstream's models with it.
+        models = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        if not models and listed:
             return None
         self._models, self._models_at = models, now
         return models
