@@ -47,6 +47,9 @@ SCRIPTS: dict[str, Reply] = {
     "tool_calls_int_mid": sse_reply([chat_chunk("a"), _chunk({"tool_calls": 5}), DONE]),
     "unary_choices_int": json_reply(b'{"id": "x", "choices": 5}'),
     "unary_message_str": json_reply(b'{"id": "x", "choices": [{"message": "hi"}]}'),
+    "unary_finish_list": json_reply(
+        b'{"id": "x", "choices": [{"message": {"content": "hi"}, "finish_reason": ["stop"]}]}'
+    ),
     # Anthropic upstream, read by the chat translation.
     "message_str_first": sse_reply([_event("message_start", {"message": "x"})]),
     "usage_list_first": sse_reply([_event("message_start", {"message": {"usage": [1]}})]),
@@ -134,6 +137,21 @@ async def test_a_messages_answer_of_the_wrong_shape_is_a_502(
     _no_crash(via_chat)
 
 
+async def test_a_responses_answer_via_chat_of_the_wrong_shape_is_a_502(
+    via_chat: procs.Service,
+) -> None:
+    body = {"model": "sim-model", "input": "unary_finish_list", "max_output_tokens": 8}
+    timeout = aiohttp.ClientTimeout(total=20)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as s,
+        s.post(via_chat.url + "/v1/responses", json=body) as r,
+    ):
+        got = await r.read()
+    assert r.status == 502, got
+    assert orjson.loads(got)["error"]["code"] == "upstream_protocol_error", got
+    _no_crash(via_chat)
+
+
 @pytest.mark.parametrize(
     ("text", "before"),
     [("message_str_first", ""), ("usage_list_first", ""), ("delta_str_mid", "a")],
@@ -182,3 +200,39 @@ def test_tool_calls_of_another_type_count_nothing_in_the_context_budget() -> Non
     for calls in (5, True, "x", {"a": 1}):
         message = {"role": "assistant", "content": "x", "tool_calls": calls}
         assert message_text(message) == "x"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+async def test_a_request_nested_deeper_than_json_is_written_is_a_400(
+    via_chat: procs.Service, path: str
+) -> None:
+    """orjson reads 1,024 levels of nesting and writes 255: a streamed request the gateway
+    writes again (asking for usage, or translated) nested 300 deep was a 500."""
+    deep: Any = []
+    for _ in range(300):
+        deep = [deep]
+    body: dict[str, Any] = {"model": "sim-model", "stream": True, "max_tokens": 8}
+    if path == "/v1/chat/completions":  # in a content part (asking for usage rewrites it)
+        body["messages"] = [
+            {"role": "user", "content": [{"type": "text", "text": "hi", "x": deep}]}
+        ]
+    elif path == "/v1/messages":  # in a tool call's input (written as chat's arguments)
+        call = {"type": "tool_use", "id": "t", "name": "f", "input": {"a": deep}}
+        result = {"type": "tool_result", "tool_use_id": "t", "content": "ok"}
+        body["messages"] = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ]
+    else:  # in a tool's parameters (kept as they are in the chat request written)
+        del body["max_tokens"]
+        body["input"] = "hi"
+        body["tools"] = [{"type": "function", "name": "f", "parameters": {"a": deep}}]
+    timeout = aiohttp.ClientTimeout(total=20)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as s,
+        s.post(via_chat.url + path, json=body) as r,
+    ):
+        assert r.status == 400, await r.read()
+        assert b"Recursion" in await r.read()
+    _no_crash(via_chat)

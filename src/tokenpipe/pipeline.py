@@ -15,8 +15,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-import orjson
-
 from tokenpipe import usage as usage_mod
 from tokenpipe.clock import Timeout
 from tokenpipe.context.budget import ContextBudget, ContextOutcome
@@ -28,7 +26,7 @@ from tokenpipe.dialects import CHAT, COMPLETIONS, Dialect
 from tokenpipe.dialects import openai_schema as schema
 from tokenpipe.dialects.chat_via_messages import ChatViaMessages
 from tokenpipe.dialects.messages_via_chat import MessagesViaChat
-from tokenpipe.errors import GatewayError
+from tokenpipe.errors import GatewayError, dumps_request
 from tokenpipe.observe import tracing
 from tokenpipe.observe.server_timing import Timing
 from tokenpipe.relay.buffer import WriteNow
@@ -233,9 +231,9 @@ class Gateway:
                     changed = strip_usage = True
         translated = dialect.upstream_request(obj)  # another API's upstream: its request
         if translated is not None:
-            body = orjson.dumps(translated)
+            body = dumps_request(translated)
         elif changed:
-            body = orjson.dumps(obj)
+            body = dumps_request(obj)
         request = Request(
             req.model,
             dialect,

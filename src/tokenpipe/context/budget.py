@@ -19,15 +19,13 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import orjson
-
 from tokenpipe.context import plan, summary, tokens
 from tokenpipe.context.lookup import ModelLookup
 from tokenpipe.context.summarizer import Summarizer
 from tokenpipe.control.deadline import UNBOUNDED, Scope
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.dialects import openai_schema as schema
-from tokenpipe.errors import GatewayError
+from tokenpipe.errors import GatewayError, dumps_request
 from tokenpipe.observe import metrics, tracing
 from tokenpipe.router.policy import Policy
 from tokenpipe.settings import ContextSettings
@@ -174,7 +172,7 @@ class ContextBudget:
             raise _too_long(window, prompt)
         obj["max_tokens"] = d.max_tokens
         metrics.CONTEXT_MAX_TOKENS_LOWERED.inc()
-        return ContextOutcome(orjson.dumps(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)}, calibrate)
+        return ContextOutcome(dumps_request(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)}, calibrate)
 
     @staticmethod
     def _calibration(
@@ -197,7 +195,7 @@ class ContextBudget:
         max_tokens = req.max_completion_tokens or req.max_tokens
         # Tool definitions are rendered into the prompt too; their JSON approximates them.
         tools = obj.get("tools") or obj.get("functions")
-        tools_text = orjson.dumps(tools).decode() if tools else ""
+        tools_text = dumps_request(tools).decode() if tools else ""
         if counter.exact:
             # Fast path: most requests are far below the window; bytes bound the tokens.
             want = max_tokens if max_tokens is not None else self.settings.reserve_output_tokens
@@ -230,7 +228,7 @@ class ContextBudget:
             obj[field] = d.max_tokens
             metrics.CONTEXT_MAX_TOKENS_LOWERED.inc()
             return ContextOutcome(
-                orjson.dumps(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)}, calibrate
+                dumps_request(obj), {MAX_TOKENS_HEADER: str(d.max_tokens)}, calibrate
             )
 
         want = max_tokens if max_tokens is not None else limits.reserve_output
@@ -280,7 +278,7 @@ class ContextBudget:
         )
         out_headers[REPORT_HEADER] = report + (f"; summary={note}" if note else "")
         _count(done, max(0, prompt - new_prompt))
-        return ContextOutcome(orjson.dumps(obj), out_headers, calibrate)
+        return ContextOutcome(dumps_request(obj), out_headers, calibrate)
 
     @staticmethod
     def _cut_key(messages: list[dict[str, Any]], keep_from: int) -> bytes:

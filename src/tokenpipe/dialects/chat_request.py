@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from tokenpipe.errors import GatewayError
+from tokenpipe.errors import GatewayError, dumps_request
 
 #: Messages fields chat has no counterpart for: refused, naming the field.
 UNSUPPORTED = ("top_k", "container", "mcp_servers")
@@ -111,7 +109,7 @@ def _assistant(content: Any, out: list[dict[str, Any]]) -> None:
 
 def tool_call(block: dict[str, Any]) -> dict[str, Any]:
     """A Messages `tool_use` block as a chat tool call (its input as JSON arguments)."""
-    arguments = orjson.dumps(block.get("input") or {}).decode()
+    arguments = dumps_request(block.get("input") or {}).decode()
     return {
         "id": block.get("id"),
         "type": "function",

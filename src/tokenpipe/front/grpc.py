@@ -26,7 +26,7 @@ from tokenpipe import usage as usage_counts
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Piece
 from tokenpipe.dialects import openai_schema as schema
-from tokenpipe.errors import GatewayError
+from tokenpipe.errors import GatewayError, dumps_request
 from tokenpipe.front.grpc_gen import chat_pb2, chat_pb2_grpc
 from tokenpipe.observe import logs, tracing
 from tokenpipe.pipeline import Call, Gateway
@@ -218,7 +218,7 @@ class _Session:
             schema.ChatRequest,
             creq,
             obj,
-            orjson.dumps(obj),
+            dumps_request(obj),
             key=self.key,
             request_id=request_id,
             started=started,

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import orjson
 
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import openai_schema as schema
@@ -22,7 +21,7 @@ from tokenpipe.dialects.base import Dialect
 from tokenpipe.dialects.responses import ResponsesDialect
 from tokenpipe.dialects.responses_chat import ResponsesViaChat
 from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
-from tokenpipe.errors import GatewayError
+from tokenpipe.errors import GatewayError, dumps_request
 from tokenpipe.front.answer import serve
 from tokenpipe.front.edge import arrive
 from tokenpipe.front.wire import Request, Response, StreamResponse
@@ -48,7 +47,7 @@ async def responses(request: Request) -> Response | StreamResponse:
             req = msgspec.convert(obj, schema.ChatRequest)
         except msgspec.ValidationError as e:  # what the translation let through, chat refuses
             raise GatewayError(400, f"Invalid request: {e}", code="invalid_request") from None
-        body, kind = orjson.dumps(obj), schema.ChatRequest
+        body, kind = dumps_request(obj), schema.ChatRequest
     return await serve(
         request,
         arrival,
