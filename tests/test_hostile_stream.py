@@ -36,6 +36,8 @@ BAD = b"data: {not json}\n\n"
 DEEP = b"data: " + b"[" * 1100 + b"]" * 1100 + b"\n\n"
 UPGRADE = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
 BAD_FRAMING = b"zz\r\nnot a chunk size\r\n"
+#: A usage chunk whose counts are not counts (a string, a number past any window).
+BAD_USAGE = b'data: {"choices": [], "usage": {"prompt_tokens": "x", "completion_tokens": 1e30}}\n\n'
 
 
 def _multiline_crlf(c: Chunk) -> list[bytes]:
@@ -71,6 +73,7 @@ def _script(kind: str, c: Chunk) -> Reply:
         "unary_not_json": json_reply(b"{not json"),
         "unary_not_object": json_reply(b"[1, 2, 3]"),
         "unary_deep": json_reply(b"[" * 1100 + b"]" * 1100),
+        "usage_bad": sse_reply([a, stop, BAD_USAGE, DONE]),
     }
     return scripts[kind]
 
@@ -309,6 +312,24 @@ async def test_out_of_range_number_met_when_merging_is_a_protocol_error() -> Non
 
 
 # -- the same rule on gRPC ---------------------------------------------------------------------
+
+
+async def test_grpc_usage_counts_that_are_not_counts_are_ignored_not_a_500(
+    upstream: HostileUpstream,
+) -> None:
+    """The gRPC front read the usage counts as they came (`int("x")`, a protobuf range
+    error for 1e30): a 500 after the content. They are ignored, as on HTTP."""
+    from tests.test_grpc_stream import Stream, _free_port, _request
+
+    port = _free_port()
+    with procs.gateway("--grpc-port", str(port), "--upstream", upstream.url + "/v1") as g:
+        async with Stream(f"127.0.0.1:{port}") as st:
+            await st.outbox.put(_request("u", "usage_bad"))
+            await st.wait(lambda: st.finished("u"))
+        kinds = st.kinds("u")
+        assert kinds[-1] == "done" and "error" not in kinds, kinds
+        assert st.text("u") == "a"
+        _no_crash(g)
 
 
 async def test_grpc_protocol_error_mid_stream_ends_the_request_with_its_error(
