@@ -18,6 +18,7 @@ import pytest
 
 from tests import procs
 from tests.hostile_upstream import DONE, HostileUpstream, Reply, chat_chunk, json_reply, sse_reply
+from tests.test_hostile_stream import _no_crash
 from tokenpipe.context.tokens import message_text
 from tokenpipe.settings import UpstreamSettings
 from tokenpipe.upstream.http import HttpUpstream
@@ -101,12 +102,6 @@ async def _post(gw: procs.Service, path: str, text: str, stream: bool) -> tuple[
     timeout = aiohttp.ClientTimeout(total=20)
     async with aiohttp.ClientSession(timeout=timeout) as s, s.post(gw.url + path, json=body) as r:
         return r.status, await r.read()
-
-
-def _no_crash(gw: procs.Service) -> None:
-    out = gw.output()
-    assert "Traceback" not in out, out[-3000:]
-    assert "internal error" not in out.lower(), out[-3000:]
 
 
 @pytest.mark.parametrize(
