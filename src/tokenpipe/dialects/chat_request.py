@@ -5,7 +5,10 @@ OpenAI upstream caches prefixes by itself)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import orjson
 
 from tokenpipe.errors import GatewayError, dumps_request
 
@@ -98,7 +101,7 @@ def _assistant(content: Any, out: list[dict[str, Any]]) -> None:
         if kind == "text":
             text.append(str(block.get("text") or ""))
         elif kind == "tool_use":
-            calls.append(tool_call(block))
+            calls.append(tool_call(block, dumps_request))
         else:
             raise _bad("messages", f"has an assistant block of type {kind!r}")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
@@ -107,9 +110,13 @@ def _assistant(content: Any, out: list[dict[str, Any]]) -> None:
     out.append(message)
 
 
-def tool_call(block: dict[str, Any]) -> dict[str, Any]:
-    """A Messages `tool_use` block as a chat tool call (its input as JSON arguments)."""
-    arguments = dumps_request(block.get("input") or {}).decode()
+def tool_call(
+    block: dict[str, Any], write: Callable[[Any], bytes] = orjson.dumps
+) -> dict[str, Any]:
+    """A Messages `tool_use` block as a chat tool call (its input as JSON arguments, written
+    by `write`: a client's block by `dumps_request`, whose failure is the client's 400; an
+    upstream's by orjson, whose failure, a TypeError, is the upstream's protocol error)."""
+    arguments = write(block.get("input") or {}).decode()
     return {
         "id": block.get("id"),
         "type": "function",
