@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta, Struct
 
-from tokenpipe.dialects.openai_schema import MAX_MESSAGES, parse
+from tokenpipe.dialects.openai_schema import MAX_MESSAGES, ModelName, parse
 
 __all__ = ["CountTokensRequest", "MessagesRequest", "parse"]
 
@@ -30,7 +30,7 @@ class Message(Struct):
 class MessagesRequest(Struct):
     """POST /v1/messages."""
 
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     max_tokens: Annotated[int, Meta(ge=1)]
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
     stream: bool | None = None
@@ -49,7 +49,7 @@ class CountTokensRequest(Struct):
 
     #: Not a field (a client's `stream` is passed on, not read): the pipeline asks for it.
     stream: ClassVar[bool] = False
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
     system: str | list[Block] | None = None
     tools: list[dict[str, Any]] | None = None

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from msgspec import Meta, Struct
 
 from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.openai_schema import ModelName
 
 #: Inputs per request (OpenAI's own limit is 2048): bounds the work of estimating their cost.
 MAX_INPUTS = 2048
@@ -17,7 +18,7 @@ MAX_INPUTS = 2048
 class EmbeddingsRequest(Struct):
     """The fields of an embeddings request the gateway reads (the rest is left as sent)."""
 
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     # A string, strings, token ids or lists of token ids (msgspec takes one list type).
     input: str | Annotated[list[str | int | list[int]], Meta(min_length=1, max_length=MAX_INPUTS)]
     #: Never streamed (`stream` is not a field of the API: any value but null is refused).

@@ -23,6 +23,12 @@ TokenCount = Annotated[int, Meta(ge=1)]
 #: Messages per chat request: bounds the per-request work of validating and counting
 #: (100,000 messages took 1 s to count); far above real conversations. Over it: a 400.
 MAX_MESSAGES = 10_000
+#: Characters of a model name: longer than any provider's (a Bedrock inference profile's ARN
+#: is ~110). Unbounded, one name could be most of a 4 MiB body, and a name is kept (the
+#: window lookup's cache, latency estimators), logged and traced: 200 such names held 430
+#: MB. Over it: a 400 naming `model`.
+MAX_MODEL_NAME = 256
+ModelName = Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_NAME)]
 
 
 class Message(Struct):
@@ -37,7 +43,7 @@ class StreamOptions(Struct):
 
 
 class ChatRequest(Struct):
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -53,7 +59,7 @@ Prompt = str | list[str | int | list[int]]
 
 
 class CompletionRequest(Struct):
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     prompt: Prompt
     stream: bool | None = None
     stream_options: StreamOptions | None = None

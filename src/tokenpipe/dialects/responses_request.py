@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
-from tokenpipe.dialects.openai_schema import Probability, Temperature, TokenCount
+from tokenpipe.dialects.openai_schema import ModelName, Probability, Temperature, TokenCount
 from tokenpipe.errors import GatewayError
 
 
@@ -32,7 +32,7 @@ class ResponsesStreamOptions(Struct):
 class ResponsesRequest(Struct):
     """The fields of a Responses request the gateway reads (the rest is left as sent)."""
 
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
     stream: bool | None = None

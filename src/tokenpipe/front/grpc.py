@@ -37,6 +37,8 @@ log = logging.getLogger("tokenpipe.grpc")
 #: Requests open at once on one ChatStream (FlowControl for a request not yet sent counts too).
 #: Past it, the new request gets an Error with status 429 and the stream goes on.
 MAX_OPEN_REQUESTS = 256
+#: Characters of an upstream error's message, and of its type and code, passed to a client.
+_UPSTREAM_MESSAGE, _UPSTREAM_NAME = 1024, 128
 #: Status recorded for a request the client cancelled or abandoned.
 CLIENT_CLOSED = 499
 
@@ -308,8 +310,13 @@ async def _upstream_error(call: Call) -> GatewayError:
     try:
         body = orjson.loads(await call.read_whole(1024 * 1024))
         err = body["error"]
+        # The upstream's words, bounded and as strings (a list as its `type` was a 500).
+        kind, code = err.get("type"), err.get("code")
         return GatewayError(
-            uresp.status, str(err.get("message")), type=err.get("type"), code=err.get("code")
+            uresp.status,
+            str(err.get("message"))[:_UPSTREAM_MESSAGE],
+            type=kind[:_UPSTREAM_NAME] if isinstance(kind, str) else None,
+            code=code[:_UPSTREAM_NAME] if isinstance(code, str) else None,
         )
     except (
         TimeoutError,

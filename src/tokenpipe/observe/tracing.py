@@ -59,6 +59,9 @@ OPERATIONS = {
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
 #: Finish reasons kept per request (one per choice; bounded for a request with many).
 _MAX_REASONS = 16
+#: Characters of one finish reason kept: an upstream sent 1 MB as one (10 MB a batch of
+#: spans, which a collector with a size cap refuses whole, every other request's spans in it).
+_MAX_REASON_CHARS = 64
 
 
 def _text(value: Any) -> str:
@@ -205,7 +208,7 @@ class RequestTrace:
         """An event with usage, a finish or the end (a few per stream): its finish reason and
         the model the upstream names."""
         if finish_reason and len(self.finish_reasons) < _MAX_REASONS:
-            self.finish_reasons.append(finish_reason)
+            self.finish_reasons.append(finish_reason[:_MAX_REASON_CHARS])
         if self.response_model is None and raw:
             m = _MODEL.search(raw)
             if m:
@@ -228,10 +231,11 @@ class RequestTrace:
         if isinstance(choices, list):
             for c in choices[:_MAX_REASONS]:
                 if isinstance(c, dict) and isinstance(c.get("finish_reason"), str):
-                    self.finish_reasons.append(c["finish_reason"])
+                    self.finish_reasons.append(c["finish_reason"][:_MAX_REASON_CHARS])
         for field in ("stop_reason", "status"):  # Anthropic's, the Responses API's
-            if isinstance(obj.get(field), str):
-                self.finish_reasons.append(obj[field])
+            value = obj.get(field)
+            if isinstance(value, str) and len(self.finish_reasons) < _MAX_REASONS:
+                self.finish_reasons.append(value[:_MAX_REASON_CHARS])
                 break
         if self.capture:
             for field in ("choices", "content", "output"):

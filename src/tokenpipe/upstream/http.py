@@ -44,6 +44,9 @@ MODELS_TIMEOUT = 5.0
 MAX_PROBE_BYTES = 64 * 1024
 #: The error code of an upstream whose bytes are broken (HTTP/1.1, SSE or JSON): not retried.
 PROTOCOL_ERROR = "upstream_protocol_error"
+#: Characters of a model id kept from an upstream's /models: a client's bound on a model
+#: name (dialects/openai_schema.py, MAX_MODEL_NAME).
+MAX_MODEL_ID = 256
 #: The fixed headers of a completion request (the body is always JSON, possibly a stream).
 _ACCEPT_POST = "content-type: application/json\r\naccept: text/event-stream\r\n"
 
@@ -314,8 +317,13 @@ class HttpUpstream:
         if not isinstance(listed, list):
             return None
         # An id that is not a string (`[1, "b"]`, `[["a"]]`) is skipped: one such id made the
-        # whole list a 500 (sorted, in a set), every other upstream's models with it.
-        models = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        # whole list a 500 (sorted, in a set), every other upstream's models with it. So is
+        # one longer than a client may name (its metric label, its span name).
+        models = [
+            m["id"]
+            for m in listed
+            if isinstance(m, dict) and isinstance(m.get("id"), str) and len(m["id"]) <= MAX_MODEL_ID
+        ]
         if not models and listed:
             return None
         self._models, self._models_at = models, now

@@ -1,0 +1,71 @@
+"""Sizes a peer sets, bounded where they are kept, logged or traced (an audit of
+2026-12-06, eighth session, docs/reliability.md): a client's model name, an upstream's
+finish reason, the log lines about an upstream's bad usage counts."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+import pytest
+from opentelemetry import trace
+
+from tokenpipe import usage
+from tokenpipe.dialects import openai_schema
+from tokenpipe.dialects.anthropic_schema import CountTokensRequest, MessagesRequest
+from tokenpipe.dialects.embeddings import EmbeddingsRequest
+from tokenpipe.dialects.openai_schema import MAX_MODEL_NAME, ChatRequest, CompletionRequest
+from tokenpipe.dialects.responses_request import ResponsesRequest
+from tokenpipe.errors import GatewayError
+from tokenpipe.observe.tracing import RequestTrace
+
+_MESSAGES = [{"role": "user", "content": "hi"}]
+BODIES: list[tuple[type[Any], dict[str, Any]]] = [
+    (ChatRequest, {"messages": _MESSAGES}),
+    (CompletionRequest, {"prompt": "hi"}),
+    (MessagesRequest, {"messages": _MESSAGES, "max_tokens": 8}),
+    (CountTokensRequest, {"messages": _MESSAGES}),
+    (EmbeddingsRequest, {"input": "hi"}),
+    (ResponsesRequest, {"input": "hi"}),
+]
+
+
+@pytest.mark.parametrize(("kind", "body"), BODIES)
+def test_a_model_name_past_its_bound_is_a_400_naming_model(kind: type, body: dict) -> None:
+    """Unbounded, one name could be most of a 4 MiB body, kept by the window lookup's cache
+    and the latency estimators (200 such names held 430 MB), logged and traced."""
+    ok = orjson.dumps({**body, "model": "m" * MAX_MODEL_NAME})
+    assert openai_schema.parse(ok, kind)[0].model == "m" * MAX_MODEL_NAME
+    with pytest.raises(GatewayError) as e:
+        openai_schema.parse(orjson.dumps({**body, "model": "m" * (MAX_MODEL_NAME + 1)}), kind)
+    assert e.value.status == 400 and e.value.param == "model"
+
+
+def test_bad_usage_counts_are_logged_once_a_minute_an_upstream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An upstream that always sends a bad count wrote a line per request."""
+    usage._logged.clear()
+    with caplog.at_level(logging.WARNING, logger="tokenpipe.usage"):
+        for t in (1000.0, 1001.0, 1030.0):
+            usage._warn("u", "prompt_tokens", "x", now=t)
+        usage._warn("v", "prompt_tokens", "x", now=1030.0)  # another upstream: its own line
+        usage._warn("u", "prompt_tokens", "x", now=1060.5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("upstream u sent usage.prompt_tokens") and "more" not in lines[0]
+    assert lines[1].startswith("upstream v") and lines[2].endswith("(2 more since the last line)")
+    assert usage.clean({"prompt_tokens": "x", "completion_tokens": 3}, "w") == {
+        "completion_tokens": 3
+    }
+
+
+def test_an_upstreams_finish_reason_is_traced_bounded() -> None:
+    """A 1 MB finish reason was 1 MB in the span (10 MB a batch of spans)."""
+    span = trace.NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
+    t = RequestTrace(span)
+    t.saw(None, "x" * 1_000_000)
+    t.answer(200, orjson.dumps({"choices": [{"finish_reason": "y" * 1_000_000}]}))
+    t.answer(200, orjson.dumps({"stop_reason": "z" * 1_000_000}))
+    assert [len(r) for r in t.finish_reasons] == [64, 64, 64]
