@@ -188,6 +188,22 @@ async def test_upstream_errors_arrive_as_error_messages(grpc_gateway: Any) -> No
     assert "3 content deltas" in s.inbox["r"][-1].error.message
 
 
+async def test_a_request_id_past_its_bound_is_refused_and_the_stream_goes_on(
+    grpc_gateway: Any,
+) -> None:
+    """Up to 256 open requests are kept by their id: a 4 MB id each held 1 GB a stream."""
+    _, target = grpc_gateway
+    long_id = "i" * 5000
+    async with Stream(target) as s:
+        await s.outbox.put(_request(long_id, "hi"))
+        await s.outbox.put(pb.ClientMessage(flow=pb.FlowControl(request_id=long_id + "f")))
+        await s.outbox.put(_request("ok", "hi"))
+        await s.wait(lambda: s.finished("ok") and len(s.inbox.get("i" * 256, ())) == 2)
+    errors = [m.error for m in s.inbox["i" * 256]]
+    assert all(e.status == 400 and "request_id is longer" in e.message for e in errors)
+    assert s.kinds("ok")[-1] == "done"
+
+
 async def test_server_reflection_lists_the_chat_service(grpc_gateway: Any) -> None:
     _, target = grpc_gateway
     async with grpc.aio.insecure_channel(target) as ch:

@@ -12,6 +12,7 @@ import pytest
 from opentelemetry import trace
 
 from tokenpipe import usage
+from tokenpipe.context.lookup import ANNOUNCED, ModelLookup
 from tokenpipe.dialects import openai_schema
 from tokenpipe.dialects.anthropic_schema import CountTokensRequest, MessagesRequest
 from tokenpipe.dialects.embeddings import EmbeddingsRequest
@@ -19,6 +20,7 @@ from tokenpipe.dialects.openai_schema import MAX_MODEL_NAME, ChatRequest, Comple
 from tokenpipe.dialects.responses_request import ResponsesRequest
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe.tracing import RequestTrace
+from tokenpipe.router.candidates import Router
 
 _MESSAGES = [{"role": "user", "content": "hi"}]
 BODIES: list[tuple[type[Any], dict[str, Any]]] = [
@@ -69,3 +71,15 @@ def test_an_upstreams_finish_reason_is_traced_bounded() -> None:
     t.answer(200, orjson.dumps({"choices": [{"finish_reason": "y" * 1_000_000}]}))
     t.answer(200, orjson.dumps({"stop_reason": "z" * 1_000_000}))
     assert [len(r) for r in t.finish_reasons] == [64, 64, 64]
+
+
+async def test_a_stream_of_made_up_model_names_is_not_a_line_each_at_info(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every new name a client sent loaded a counter and wrote an info line."""
+    lookup = ModelLookup({}, Router([]))
+    with caplog.at_level(logging.INFO, logger="tokenpipe.context"):
+        for i in range(ANNOUNCED + 20):
+            await lookup.counter(f"gpt-4o-made-up-{i}")
+    told = [r for r in caplog.records if "counts tokens with" in r.getMessage()]
+    assert len(told) == ANNOUNCED

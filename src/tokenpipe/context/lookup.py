@@ -26,6 +26,8 @@ log = logging.getLogger("tokenpipe.context")
 
 #: Models whose counters and estimators are remembered; the oldest is forgotten beyond it.
 MAX_MODELS = 1024
+#: Counter loads told at info level; later ones at debug.
+ANNOUNCED = 64
 
 
 class ModelLookup:
@@ -34,6 +36,7 @@ class ModelLookup:
         self.router = router
         self.discovery = WindowDiscovery()
         self._counters: OrderedDict[str, tokens.TokenCounter] = OrderedDict()
+        self._loads = 0  # counters loaded so far
         self._gguf_windows: dict[str, int | None] = {}
         self._loading: SingleFlight[tokens.TokenCounter] = SingleFlight()
 
@@ -91,7 +94,11 @@ class ModelLookup:
         )
         if counter is None:
             counter = tokens.Estimator()
-        log.info("context: %s counts tokens with %s", model, counter.name)
+        # A client names any model: the first ANNOUNCED loads are told, the rest at debug
+        # (a stream of made-up names wrote a line each).
+        self._loads += 1
+        say = log.info if self._loads <= ANNOUNCED else log.debug
+        say("context: %s counts tokens with %s", model, counter.name)
         self._counters[model] = counter
         while len(self._counters) > MAX_MODELS:
             self._counters.popitem(last=False)

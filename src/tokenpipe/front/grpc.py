@@ -37,6 +37,8 @@ log = logging.getLogger("tokenpipe.grpc")
 #: Requests open at once on one ChatStream (FlowControl for a request not yet sent counts too).
 #: Past it, the new request gets an Error with status 429 and the stream goes on.
 MAX_OPEN_REQUESTS = 256
+#: Characters of a client's request_id (its own name for a request on the stream).
+MAX_REQUEST_ID = 256
 #: Characters of an upstream error's message, and of its type and code, passed to a client.
 _UPSTREAM_MESSAGE, _UPSTREAM_NAME = 1024, 128
 #: Status recorded for a request the client cancelled or abandoned.
@@ -133,7 +135,18 @@ class _Session:
             state = self.requests[request_id] = _Request()
         return state
 
+    async def _long_id(self, rid: str) -> bool:
+        """An id past MAX_REQUEST_ID is refused (its Error names it cut to the bound): up to
+        MAX_OPEN_REQUESTS states are kept by id, and a 4 MB id each was 1 GB a stream."""
+        if len(rid) <= MAX_REQUEST_ID:
+            return False
+        why = f"request_id is longer than {MAX_REQUEST_ID} characters."
+        await self.error(rid[:MAX_REQUEST_ID], GatewayError(400, why, code="invalid_request_id"))
+        return True
+
     async def _flow(self, flow: chat_pb2.FlowControl) -> None:
+        if await self._long_id(flow.request_id):
+            return
         state = self._state(flow.request_id)
         if state is None:
             await self.error(flow.request_id, _too_many())
@@ -146,6 +159,8 @@ class _Session:
 
     async def _start(self, req: chat_pb2.ChatRequest) -> None:
         rid = req.request_id
+        if await self._long_id(rid):
+            return
         state = self._state(rid)
         if state is None:
             await self.error(rid, _too_many())
