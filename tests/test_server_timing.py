@@ -163,7 +163,9 @@ async def test_a_429_from_the_limiter_shows_the_phases_before_the_wait(
     assert status == 429 and "Retry-After" in headers
     got = st.parse(headers["Server-Timing"])
     assert list(got) == ["edge", "admission", "context", "total"], got
-    assert got["total"] >= 200.0  # it waited the queue deadline
+    # It waited the queue deadline (200 ms), less up to 1 ms: libuv's timers run on a clock
+    # read in whole milliseconds at each loop turn (a CI run saw 199.782).
+    assert got["total"] >= 199.0
 
 
 class Engine:

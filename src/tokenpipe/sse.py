@@ -34,7 +34,7 @@ SHAPE_ERRORS = (TypeError, AttributeError, KeyError, ValueError, IndexError)
 def shape_error(e: Exception) -> SSEProtocolError:
     """The protocol error for `e`, one of SHAPE_ERRORS (its text bounded: it may quote the
     upstream's values)."""
-    return SSEProtocolError(f"an event of an unexpected shape ({type(e).__name__}: {e!s:.80})")
+    return SSEProtocolError(f"a value of an unexpected shape ({type(e).__name__}: {e!s:.80})")
 
 
 def encode(data: bytes) -> bytes:

@@ -57,10 +57,9 @@ class EventParser:
     (`[DONE]`, the upstream's own error event, the API's own last event), which sets `ended`;
     and an event it cannot read (not JSON, a number out of a double's range, nesting too deep,
     an SSE event over its bound, a value of a type the dialect does not expect), which sets
-    `fault`. `feed` returns the pieces before either;
-    the reader delivers them and then asks `at_end()`, which raises the fault. So the client
-    gets every event up to the fault in order, then the one error event, and never an event
-    from after it."""
+    `fault`. `feed` returns the pieces before either; the reader delivers them and then asks
+    `at_end()`, which raises the fault. So the client gets every event up to the fault in
+    order, then the one error event, and never an event from after it."""
 
     __slots__ = ("decoder", "dialect", "ended", "fault", "read", "record", "strip_usage", "tally")
 
