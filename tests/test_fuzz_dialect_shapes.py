@@ -23,6 +23,7 @@ from tokenpipe.dialects.anthropic import MessagesDialect
 from tokenpipe.dialects.chat_via_messages import ChatViaMessages
 from tokenpipe.dialects.messages_via_chat import MessagesViaChat
 from tokenpipe.dialects.openai import ChatDialect
+from tokenpipe.dialects.responses import ResponsesDialect
 from tokenpipe.dialects.responses_chat import ResponsesViaChat
 from tokenpipe.relay.events import EventParser
 from tokenpipe.relay.tally import StreamTally
@@ -174,6 +175,50 @@ def _relayed(dialect: Dialect, reads: list[bytes]) -> None:
         pass
 
 
+_RESPONSE = {"id": "r", "object": "response", "status": "in_progress", "output": []}
+_DONE_RESPONSE = {
+    **_RESPONSE,
+    "status": "completed",
+    "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5},
+}
+_ITEM = {"type": "message", "id": "i", "role": "assistant", "content": []}
+#: A Responses stream (the API's own events, numbered) with text and a completed response.
+RESPONSES_STREAM: list[dict[str, Any]] = [
+    _event("response.created", sequence_number=0, response=_RESPONSE),
+    _event("response.output_item.added", sequence_number=1, output_index=0, item=_ITEM),
+    _event(
+        "response.output_text.delta",
+        sequence_number=2,
+        item_id="i",
+        output_index=0,
+        content_index=0,
+        delta="a",
+    ),
+    _event("response.completed", sequence_number=3, response=_DONE_RESPONSE),
+]
+RESPONSES_PATHS = [
+    ("type",),
+    ("sequence_number",),
+    ("response",),
+    ("response", "status"),
+    ("response", "output"),
+    ("response", "usage"),
+    ("response", "usage", "input_tokens"),
+    ("response", "usage", "output_tokens"),
+    ("response", "incomplete_details"),
+    ("response", "error"),
+    ("output_index",),
+    ("content_index",),
+    ("item",),
+    ("item", "type"),
+    ("item", "content"),
+    ("delta",),
+    ("logprobs",),
+    ("error",),
+    ("message",),
+    ("code",),
+]
+
 READERS: dict[str, tuple[Callable[[], Dialect], list[Any], list[Any], bool]] = {
     "chat": (lambda: ChatDialect(), CHAT_STREAM, CHAT_PATHS, False),
     "messages via chat": (
@@ -195,6 +240,7 @@ READERS: dict[str, tuple[Callable[[], Dialect], list[Any], list[Any], bool]] = {
         MESSAGES_PATHS,
         True,
     ),
+    "responses": (lambda: ResponsesDialect(), RESPONSES_STREAM, RESPONSES_PATHS, True),
 }
 
 
@@ -227,6 +273,10 @@ def test_messages_events_of_any_shape() -> None:
 
 def test_messages_events_read_for_a_chat_client() -> None:
     _case("chat via messages")()
+
+
+def test_responses_events_of_any_shape() -> None:
+    _case("responses")()
 
 
 CHAT_ANSWER: dict[str, Any] = {
