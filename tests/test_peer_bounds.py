@@ -15,10 +15,11 @@ from tokenpipe import usage
 from tokenpipe.context.lookup import ANNOUNCED, ModelLookup
 from tokenpipe.dialects import openai_schema
 from tokenpipe.dialects.anthropic_schema import CountTokensRequest, MessagesRequest
+from tokenpipe.dialects.chat_request import chat_request
 from tokenpipe.dialects.embeddings import EmbeddingsRequest
 from tokenpipe.dialects.openai_schema import MAX_MODEL_NAME, ChatRequest, CompletionRequest
-from tokenpipe.dialects.responses_request import ResponsesRequest
-from tokenpipe.errors import GatewayError
+from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
+from tokenpipe.errors import MAX_MESSAGE, GatewayError
 from tokenpipe.observe.tracing import RequestTrace
 from tokenpipe.router.candidates import Router
 
@@ -83,3 +84,19 @@ async def test_a_stream_of_made_up_model_names_is_not_a_line_each_at_info(
             await lookup.counter(f"gpt-4o-made-up-{i}")
     told = [r for r in caplog.records if "counts tokens with" in r.getMessage()]
     assert len(told) == ANNOUNCED
+
+
+def test_an_unknown_responses_parameter_is_named_bounded() -> None:
+    """A 1 MB key was echoed whole, in the message and as `param`."""
+    with pytest.raises(GatewayError) as e:
+        to_chat({"model": "m", "input": "hi", "k" * 1_000_000: 1})
+    assert e.value.param == "k" * 64 and len(e.value.message) < 100
+
+
+def test_an_error_quoting_what_a_client_sent_is_bounded() -> None:
+    """A 400 that quotes the client's value (here its `tool_choice`) quoted all of it."""
+    body = {"model": "m", "max_tokens": 8, "messages": _MESSAGES}
+    with pytest.raises(GatewayError) as e:
+        chat_request({**body, "tool_choice": {"type": "x" * 1_000_000}})
+    assert e.value.param == "tool_choice"
+    assert len(e.value.message) == MAX_MESSAGE + 3 and e.value.message.endswith("...")

@@ -36,6 +36,11 @@ def validation_field(message: str) -> str | None:
     return m.group(1) if m else None
 
 
+#: Characters of an error's message, and of its `param`: some quote what a peer sent (a
+#: field's value, an upstream's own message), which may be megabytes long. Past it: cut.
+MAX_MESSAGE, MAX_PARAM = 2048, 256
+
+
 class GatewayError(Exception):
     """An error the client is told about. Never carries secrets or stack traces."""
 
@@ -50,11 +55,13 @@ class GatewayError(Exception):
         headers: dict[str, str] | None = None,
         retry_after: float | None = None,
     ) -> None:
+        if len(message) > MAX_MESSAGE:
+            message = message[:MAX_MESSAGE] + "..."
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
-        self.param = param
+        self.param = param[:MAX_PARAM] if param is not None else None
         self.type = type or _TYPES.get(status, "api_error")
         self.headers = dict(headers or {})
         if status == 429 or retry_after is not None:

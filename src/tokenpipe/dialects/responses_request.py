@@ -101,8 +101,9 @@ def to_chat(obj: dict[str, Any]) -> dict[str, Any]:
     ResponsesRequest). Raises a 400 GatewayError naming the first field it cannot carry."""
     for key in obj:
         if key not in _KNOWN:
+            name = key[:64]  # the client's own key, echoed: it may be megabytes long
             raise GatewayError(
-                400, f"Unknown parameter: '{key}'.", code="unknown_parameter", param=key
+                400, f"Unknown parameter: '{name}'.", code="unknown_parameter", param=name
             )
     for key in _ONLY_UNSET:
         if obj.get(key) not in (None, False, []):
