@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +36,7 @@ FUZZ = settings(
 _TOOL = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}
 
 
-def _chunk(delta: Any, finish: Any = None, **extra: Any) -> dict[str, Any]:
+def _chunk(delta: Any, finish: Any = None) -> dict[str, Any]:
     choice = {"index": 0, "delta": delta, "finish_reason": finish}
     return {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
 
@@ -220,27 +221,27 @@ RESPONSES_PATHS = [
 ]
 
 READERS: dict[str, tuple[Callable[[], Dialect], list[Any], list[Any], bool]] = {
-    "chat": (lambda: ChatDialect(), CHAT_STREAM, CHAT_PATHS, False),
+    "chat": (ChatDialect, CHAT_STREAM, CHAT_PATHS, False),
     "messages via chat": (
-        lambda: MessagesViaChat({"model": "m", "max_tokens": 8}).for_stream(),
+        lambda: MessagesViaChat({"model": "m", "max_tokens": 8}),
         CHAT_STREAM,
         CHAT_PATHS,
         False,
     ),
     "responses via chat": (
-        lambda: ResponsesViaChat({"model": "m", "input": "hi"}).for_stream(),
+        lambda: ResponsesViaChat({"model": "m", "input": "hi"}),
         CHAT_STREAM,
         CHAT_PATHS,
         False,
     ),
-    "messages": (lambda: MessagesDialect().for_stream(), MESSAGES_STREAM, MESSAGES_PATHS, True),
+    "messages": (MessagesDialect, MESSAGES_STREAM, MESSAGES_PATHS, True),
     "chat via messages": (
         lambda: ChatViaMessages({"model": "m", "stream_options": {"include_usage": True}}),
         MESSAGES_STREAM,
         MESSAGES_PATHS,
         True,
     ),
-    "responses": (lambda: ResponsesDialect(), RESPONSES_STREAM, RESPONSES_PATHS, True),
+    "responses": (ResponsesDialect, RESPONSES_STREAM, RESPONSES_PATHS, True),
 }
 
 
@@ -255,28 +256,10 @@ def _case(name: str) -> Any:
     return case
 
 
-def test_chat_events_of_any_shape() -> None:
-    _case("chat")()
-
-
-def test_chat_events_read_for_a_messages_client() -> None:
-    _case("messages via chat")()
-
-
-def test_chat_events_read_for_a_responses_client() -> None:
-    _case("responses via chat")()
-
-
-def test_messages_events_of_any_shape() -> None:
-    _case("messages")()
-
-
-def test_messages_events_read_for_a_chat_client() -> None:
-    _case("chat via messages")()
-
-
-def test_responses_events_of_any_shape() -> None:
-    _case("responses")()
+@pytest.mark.parametrize("name", list(READERS))
+def test_a_stream_of_any_shape_is_read_or_ends_as_the_protocol_error(name: str) -> None:
+    """`name`: the API the events are in, and the client's when it is another."""
+    _case(name)()
 
 
 CHAT_ANSWER: dict[str, Any] = {
@@ -376,13 +359,6 @@ def _answered(name: str) -> Any:
     return case
 
 
-def test_chat_answers_read_for_a_messages_client() -> None:
-    _answered("messages via chat")()
-
-
-def test_chat_answers_read_for_a_responses_client() -> None:
-    _answered("responses via chat")()
-
-
-def test_messages_answers_read_for_a_chat_client() -> None:
-    _answered("chat via messages")()
+@pytest.mark.parametrize("name", list(ANSWERS))
+def test_an_answer_of_any_shape_is_read_or_fails_as_a_shape_error(name: str) -> None:
+    _answered(name)()

@@ -12,6 +12,7 @@ import pytest
 from opentelemetry import trace
 
 from tokenpipe import usage
+from tokenpipe.clock import ManualClock
 from tokenpipe.context.lookup import ANNOUNCED, ModelLookup
 from tokenpipe.dialects import openai_schema
 from tokenpipe.dialects.anthropic_schema import CountTokensRequest, MessagesRequest
@@ -20,6 +21,7 @@ from tokenpipe.dialects.embeddings import EmbeddingsRequest
 from tokenpipe.dialects.openai_schema import MAX_MODEL_NAME, ChatRequest, CompletionRequest
 from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
 from tokenpipe.errors import MAX_MESSAGE, GatewayError
+from tokenpipe.log_budget import LogBudget
 from tokenpipe.observe.tracing import RequestTrace
 from tokenpipe.router.candidates import Router
 
@@ -49,12 +51,18 @@ def test_bad_usage_counts_are_logged_once_a_minute_an_upstream(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An upstream that always sends a bad count wrote a line per request."""
-    usage._logged.clear()
-    with caplog.at_level(logging.WARNING, logger="tokenpipe.usage"):
-        for t in (1000.0, 1001.0, 1030.0):
-            usage._warn("u", "prompt_tokens", "x", now=t)
-        usage._warn("v", "prompt_tokens", "x", now=1030.0)  # another upstream: its own line
-        usage._warn("u", "prompt_tokens", "x", now=1060.5)
+    clock = ManualClock(1000.0)
+    kept, usage._budget = usage._budget, LogBudget(usage.log, clock=clock)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tokenpipe.usage"):
+            for t in (1000.0, 1001.0, 1030.0):
+                clock.t = t
+                usage._warn("u", "prompt_tokens", "x")
+            usage._warn("v", "prompt_tokens", "x")  # another upstream: its own line
+            clock.t = 1060.5
+            usage._warn("u", "prompt_tokens", "x")
+    finally:
+        usage._budget = kept
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3, lines
     assert lines[0].startswith("upstream u sent usage.prompt_tokens") and "more" not in lines[0]

@@ -11,9 +11,10 @@ of the object (e.g. `*_tokens_details`) is passed on as it is and never read as 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
+
+from tokenpipe.log_budget import LogBudget
 
 log = logging.getLogger("tokenpipe.usage")
 
@@ -50,29 +51,18 @@ def clean(usage: object, upstream: str = "?") -> dict[str, Any] | None:
     return out if counted else None
 
 
-#: Seconds between two log lines about the same upstream's same field; the lines between
-#: are counted and the count is told with the next (an upstream that always sends a bad
-#: count wrote a line per request: 2,000 requests, 440 KB).
-LOG_EVERY = 60.0
-#: (upstream, field) -> (logged at, lines held back since). Bound: the upstreams' names
-#: (config) times COUNTS; cleared past 1,024 all the same.
-_logged: dict[tuple[str, str], tuple[float, int]] = {}
+#: One log line a minute per upstream and field; the lines between are counted into the
+#: next (an upstream that always sends a bad count wrote a line per request: 2,000 requests,
+#: 440 KB). Bound: the upstreams' names (config) times COUNTS.
+_budget = LogBudget(log)
 
 
-def _warn(upstream: str, name: str, value: object, now: float | None = None) -> None:
-    now = time.monotonic() if now is None else now
-    at, held = _logged.get((upstream, name), (float("-inf"), 0))
-    if now - at < LOG_EVERY:
-        _logged[(upstream, name)] = (at, held + 1)
-        return
-    if len(_logged) >= 1024:
-        _logged.clear()
-    _logged[(upstream, name)] = (now, 0)
-    log.warning(
-        "upstream %s sent usage.%s = %.40r (not a count in 0..%d): ignored%s",
+def _warn(upstream: str, name: str, value: object) -> None:
+    _budget.warning(
+        (upstream, name),
+        "upstream %s sent usage.%s = %.40r (not a count in 0..%d): ignored",
         upstream,
         name,
         value,
         MAX_COUNT,
-        f" ({held} more since the last line)" if held else "",
     )

@@ -12,6 +12,7 @@ import logging
 import math
 
 from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.log_budget import LogBudget
 
 #: Longest pause an upstream's `retry-after` may impose (seconds). The official OpenAI and
 #: Anthropic SDKs cap the Retry-After they honour at 60 s for the same reason.
@@ -50,23 +51,14 @@ class ClampLog:
     count is reported with the next line."""
 
     def __init__(self, logger: logging.Logger, clock: Clock = MONOTONIC) -> None:
-        self.logger = logger
-        self.clock = clock
-        self._last: dict[tuple[str, str], tuple[float, int]] = {}  # -> (logged at, suppressed)
+        self._budget = LogBudget(logger, LOG_EVERY, MAX_LOG_KEYS, clock)
 
     def report(self, upstream: str, notes: list[tuple[str, str]]) -> None:
         """`notes`: (kind, what was done) pairs from `ratelimit_headers.parse`."""
-        now = self.clock.now()
         for kind, text in notes:
-            key = (upstream, kind)
-            at, suppressed = self._last.get(key, (-math.inf, 0))
-            if now - at < LOG_EVERY:
-                self._last[key] = (at, suppressed + 1)
-                continue
-            if len(self._last) >= MAX_LOG_KEYS:
-                self._last.clear()
-            self._last[key] = (now, 0)
-            more = f" ({suppressed} more since the last line)" if suppressed else ""
-            self.logger.warning(
-                "upstream %s sent a rate-limit header out of range: %s%s", upstream, text, more
+            self._budget.warning(
+                (upstream, kind),
+                "upstream %s sent a rate-limit header out of range: %s",
+                upstream,
+                text,
             )

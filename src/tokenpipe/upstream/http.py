@@ -312,7 +312,7 @@ class HttpUpstream:
         """The model list of a /models answer, kept as of `now`; None if it holds none."""
         try:
             listed = data["data"]
-        except (KeyError, TypeError, IndexError):
+        except (KeyError, TypeError):  # not an object, or no "data"
             return None
         if not isinstance(listed, list):
             return None
