@@ -10,7 +10,6 @@ request handler is the only place that sees them, so the server's handler class 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from aiohttp import web
@@ -19,6 +18,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 from tokenpipe.errors import GatewayError
+from tokenpipe.log_budget import LogBudget
 
 log = logging.getLogger("tokenpipe.front")
 
@@ -27,25 +27,7 @@ log = logging.getLogger("tokenpipe.front")
 LOG_PER_SECOND = 5
 
 
-class LogBudget:
-    """A one-second window of at most `LOG_PER_SECOND` lines; the rest are counted."""
-
-    def __init__(self) -> None:
-        self.window = 0.0  # monotonic second the current window started
-        self.lines = 0
-        self.suppressed = 0
-
-    def take(self, now: float) -> bool:
-        if now - self.window >= 1.0:
-            self.window, self.lines = now, 0
-        if self.lines >= LOG_PER_SECOND:
-            self.suppressed += 1
-            return False
-        self.lines += 1
-        return True
-
-
-_BUDGET = LogBudget()
+_BUDGET = LogBudget(log, every=1.0, lines=LOG_PER_SECOND)
 
 
 class _JsonRejectingHandler(RequestHandler):
@@ -58,15 +40,12 @@ class _JsonRejectingHandler(RequestHandler):
     ) -> web.StreamResponse:
         if not isinstance(exc, HttpProcessingError) or status < 400 or status >= 500:
             return super().handle_error(request, status, exc, message)
-        if _BUDGET.take(time.monotonic()):
-            more = f" ({_BUDGET.suppressed} more not logged)" if _BUDGET.suppressed else ""
-            _BUDGET.suppressed = 0
-            log.warning(
-                "rejected an unparsable HTTP request from %s: %s%s",
-                request.remote,
-                type(exc).__name__,
-                more,
-            )
+        _BUDGET.warning(
+            None,
+            "rejected an unparsable HTTP request from %s: %s",
+            request.remote,
+            type(exc).__name__,
+        )
         if request.writer.output_size > 0:
             raise ConnectionError("response already started")
         # The parser's message quotes the input: only the kind of mistake is named.

@@ -51,7 +51,7 @@ class ClampLog:
     count is reported with the next line."""
 
     def __init__(self, logger: logging.Logger, clock: Clock = MONOTONIC) -> None:
-        self._budget = LogBudget(logger, LOG_EVERY, MAX_LOG_KEYS, clock)
+        self._budget = LogBudget(logger, LOG_EVERY, max_keys=MAX_LOG_KEYS, clock=clock)
 
     def report(self, upstream: str, notes: list[tuple[str, str]]) -> None:
         """`notes`: (kind, what was done) pairs from `ratelimit_headers.parse`."""

@@ -1,18 +1,19 @@
 """What the front's HTTP/1.1 server answers a request it cannot parse or that breaks the head
 bounds (front/server.py): the error, naming the kind of mistake and never the client's bytes,
-and one log line per LogBudget (a flood of garbage logs a few lines, then a count)."""
+and at most LOG_PER_SECOND log lines a second (a flood of garbage logs a few lines, then
+a count)."""
 
 from __future__ import annotations
 
 import logging
-import time
 
 from tokenpipe.errors import GatewayError
-from tokenpipe.rejections import LogBudget
+from tokenpipe.log_budget import LogBudget
+from tokenpipe.rejections import LOG_PER_SECOND
 
 log = logging.getLogger("tokenpipe.front")
 
-_BUDGET = LogBudget()
+_BUDGET = LogBudget(log, every=1.0, lines=LOG_PER_SECOND)
 
 
 class Refused(Exception):
@@ -29,11 +30,8 @@ def refusal(error: Exception, peer: object) -> GatewayError:
     budget with the client's address (`peer`: the transport's peername, or None)."""
     kind = str(error) if isinstance(error, Refused) else type(error).__name__
     status = error.status if isinstance(error, Refused) else 400
-    if _BUDGET.take(time.monotonic()):
-        more = f" ({_BUDGET.suppressed} more not logged)" if _BUDGET.suppressed else ""
-        _BUDGET.suppressed = 0
-        host = peer[0] if isinstance(peer, tuple) and peer else "-"
-        log.warning("rejected an unparsable HTTP request from %s: %s%s", host, kind, more)
+    host = peer[0] if isinstance(peer, tuple) and peer else "-"
+    _BUDGET.warning(None, "rejected an unparsable HTTP request from %s: %s", host, kind)
     return GatewayError(
         status, f"The request is not valid HTTP/1.1 ({kind}).", code="invalid_http_request"
     )
