@@ -1,3 +1,3 @@
-from tokenpipe.cli import main
+from tokenpipe.launch import main
 
 main()

@@ -28,14 +28,24 @@ _SUMMARIES = {
 
 
 class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *_OPTIONAL})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in _OPTIONAL:
+            command = _load(*_OPTIONAL[cmd_name])
+            if command is not None:
+                self.add_command(command, cmd_name)
+        return self.commands.get(cmd_name)
+
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """One list of commands, in the order a newcomer meets them."""
-        names = [n for n in _SUMMARIES if n in self.commands]
-        names += sorted(n for n in self.commands if n not in _SUMMARIES)
+        names = self.list_commands(ctx)
+        names = [n for n in _SUMMARIES if n in names] + [n for n in names if n not in _SUMMARIES]
         rows = []
         for name in names:
-            cmd = self.commands[name]
-            if not cmd.hidden:
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
                 rows.append((name, _SUMMARIES.get(name) or cmd.get_short_help_str()))
         if rows:
             with formatter.section("Commands"):
@@ -357,30 +367,29 @@ def sim(
         fail(str(e))
 
 
-#: Sub-commands that live in their own modules, as (module, attribute): each module defines a
-#: plain click command and never imports this one (no import cycle); it is added here.
-_OPTIONAL = (
-    ("tokenpipe.engines.local.cli", "local"),
-    ("tokenpipe.bench.cli", "bench"),
-    ("tokenpipe.doctor.cli", "doctor"),
-    ("tokenpipe.context.kv_cli", "kv_command"),
-    ("tokenpipe.config_cli", "config"),
-)
+#: Sub-commands that live in their own modules, by name, as (module, attribute): each module
+#: defines a plain click command and never imports this one (no import cycle). `_Group` imports
+#: one only when it is run or listed: the bench alone loads aiohttp's client (~115 ms), which
+#: `tokenpipe sim`, `--version` and a command's `--help` need not wait for.
+_OPTIONAL = {
+    "local": ("tokenpipe.engines.local.cli", "local"),
+    "bench": ("tokenpipe.bench.cli", "bench"),
+    "doctor": ("tokenpipe.doctor.cli", "doctor"),
+    "kv": ("tokenpipe.context.kv_cli", "kv_command"),
+    "config": ("tokenpipe.config_cli", "config"),
+}
 
 
-def _register_optional() -> None:
-    """Adds the sub-commands of `_OPTIONAL` to `main`; one whose module (or package) is
-    missing is left out, any other missing import is an error."""
+def _load(module: str, name: str) -> click.Command | None:
+    """The command `name` of `module`; None when the module (or its package: an extra not
+    installed) is missing. Any other missing import is an error."""
     import importlib
 
-    for module, name in _OPTIONAL:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if not (e.name and module.startswith(e.name)):
-                raise
-            continue
-        main.add_command(getattr(mod, name))
-
-
-_register_optional()
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if not (e.name and module.startswith(e.name)):
+            raise
+        return None
+    command: click.Command = getattr(mod, name)
+    return command
