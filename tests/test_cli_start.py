@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from click.testing import CliRunner
 
 from tokenpipe.cli import main
@@ -70,3 +71,12 @@ def test_ctrl_c_while_the_command_line_loads_is_aborted_not_a_traceback() -> Non
     assert done.returncode == 1
     assert done.stderr.strip() == "Aborted!"
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["serve"], ["sim"], ["local"], ["bench"], ["doctor"], ["kv"], ["config"]]
+)
+def test_every_help_fits_an_80_column_terminal(command: list[str]) -> None:
+    result = CliRunner().invoke(main, [*command, "--help"], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.output.splitlines() if len(line) > 80] == []

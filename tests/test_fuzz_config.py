@@ -4,8 +4,12 @@ it either gives Settings or a ConfigError with a message; never another exceptio
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
+import msgspec
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -58,9 +62,42 @@ def test_any_yaml_document_loads_or_fails_with_a_config_error(tmp_path: Path, do
     path = tmp_path / "gw.yaml"
     path.write_text(yaml.safe_dump(doc))
     try:
-        settings_mod.load(path)
+        loaded = settings_mod.load(path)
     except settings_mod.ConfigError as e:
         assert str(e).startswith(f"{path}: ")
+    else:
+        assert all(math.isfinite(x) for x in _floats(msgspec.to_builtins(loaded)))
+
+
+def _floats(value: object) -> list[float]:
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return [x for item in value for x in _floats(item)]
+    return []
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("server: {read_timeout_seconds: .inf}", "$.server.read_timeout_seconds"),
+        ("server: {drain_seconds: .inf}", "$.server.drain_seconds"),
+        ("keys: {alice: {rpm: .inf}}", "$.keys.alice.rpm"),
+        (
+            "upstreams: [{name: a, url: 'http://x/v1', read_timeout_seconds: .inf}]",
+            "$.upstreams[0].read_timeout_seconds",
+        ),
+    ],
+)
+def test_an_infinite_number_is_refused_where_it_stands(
+    tmp_path: Path, text: str, where: str
+) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text(text)
+    with pytest.raises(settings_mod.ConfigError, match=f"finite number - at `{re.escape(where)}`"):
+        settings_mod.load(path)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)

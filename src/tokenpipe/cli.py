@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from tokenpipe import __version__
-from tokenpipe.cli_support import configure_logging, fail
+from tokenpipe.cli_support import DURATION, PORT, POSITIVE, configure_logging, fail
 from tokenpipe.ports import PortBusy
 
 if TYPE_CHECKING:
@@ -83,20 +83,20 @@ def main() -> None:
 )
 @click.option("--host", default=None, help="Address to listen on.  [default: 127.0.0.1]")
 @click.option(
-    "--port", type=int, default=None, help="HTTP port (0: any free port).  [default: 8000]"
+    "--port", type=PORT, default=None, help="HTTP port (0: any free port).  [default: 8000]"
 )
 @click.option(
-    "--grpc-port", type=int, default=None, help="gRPC port, 0 to turn gRPC off.  [default: 50051]"
+    "--grpc-port", type=PORT, default=None, help="gRPC port, 0 to turn gRPC off.  [default: 50051]"
 )
 @click.option(
     "--drain-seconds",
-    type=float,
+    type=DURATION,
     default=None,
     help="How long open streams may finish after SIGTERM.  [default: 30]",
 )
 @click.option(
     "--drain-grace-seconds",
-    type=float,
+    type=DURATION,
     default=None,
     help="After SIGTERM, keep answering (/readyz and new requests: 503) for at least this long,"
     " so probes see it (not after Ctrl-C).  [default: 5]",
@@ -240,7 +240,7 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=9000, show_default=True, help="0: any free port.")
+@click.option("--port", type=PORT, default=9000, show_default=True, help="0: any free port.")
 @click.option(
     "--seed",
     type=int,
@@ -249,11 +249,11 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
     help="Seeds the text and the fault dice: same seed and request order, same output.",
 )
 @click.option(
-    "--ttft-ms", type=float, default=50.0, show_default=True, help="Time to first content token."
+    "--ttft-ms", type=DURATION, default=50.0, show_default=True, help="Time to first content token."
 )
 @click.option(
     "--itl-ms",
-    type=float,
+    type=DURATION,
     default=5.0,
     show_default=True,
     help="Interval between tokens (0: as fast as the socket takes them).",
@@ -268,11 +268,11 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
 )
 @click.option("--model", "models", multiple=True, help="Model name(s) listed. [default: sim-model]")
 @click.option("--strict-models", is_flag=True, help="Answer 404 for models not listed.")
-@click.option("--rpm", type=float, default=None, help="Enforce a requests-per-minute bucket.")
-@click.option("--tpm", type=float, default=None, help="Enforce a tokens-per-minute bucket.")
+@click.option("--rpm", type=POSITIVE, default=None, help="Enforce a requests-per-minute bucket.")
+@click.option("--tpm", type=POSITIVE, default=None, help="Enforce a tokens-per-minute bucket.")
 @click.option(
     "--bucket-seconds",
-    type=float,
+    type=POSITIVE,
     default=60.0,
     show_default=True,
     help="Depth of the RPM/TPM buckets, in seconds of refill.",
@@ -321,13 +321,16 @@ def sim(
     bodies, natively) and /v1/embeddings (deterministic vectors seeded from the input).
 
     \b
-    It speaks Anthropic's Messages API too (POST /v1/messages, /v1/messages/count_tokens;
-    as an upstream: --upstream anthropic+URL), with the same timing and faults.
-    Per request, these override the defaults: headers x-sim-ttft-ms, x-sim-itl-ms,
-    x-sim-tokens-per-chunk, x-sim-output-tokens, x-sim-fault, x-sim-tool; or a directive
-    anywhere in the prompt: [[sim ttft_ms=10 itl_ms=2 output_tokens=50 fault=stall:10:3000]].
-    tool=NAME (Messages with tools; *: the first) answers with a call of that tool.
-    GET /sim/stats reports counters and per-request records; POST /sim/reset clears them.
+    It speaks Anthropic's Messages API too (POST /v1/messages and
+    /v1/messages/count_tokens; as an upstream: --upstream anthropic+URL),
+    with the same timing and faults.
+    Per request, these override the defaults: headers x-sim-ttft-ms,
+    x-sim-itl-ms, x-sim-tokens-per-chunk, x-sim-output-tokens, x-sim-fault,
+    x-sim-tool; or a directive anywhere in the prompt:
+      [[sim ttft_ms=10 itl_ms=2 output_tokens=50 fault=stall:10:3000]]
+    tool=NAME (Messages with tools; *: the first) answers with a call of
+    that tool. GET /sim/stats reports counters and per-request records;
+    POST /sim/reset clears them.
     """
     from tokenpipe import serving
     from tokenpipe.engines.sim import faults

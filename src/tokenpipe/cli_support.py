@@ -6,9 +6,99 @@ their commands to its group), so the command line has no import cycle.
 
 from __future__ import annotations
 
+import math
+import re
 import sys
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import click
+
+
+#: A TCP port: 0 (any free one) to 65535. A larger number would wrap around in the socket
+#: call (99999 listened on 34463) and a negative one failed with a traceback.
+class _Port(click.IntRange):
+    name = "port"  # `--port PORT` in --help, not `INTEGER RANGE`
+
+
+PORT = _Port(0, 65535)
+
+
+class Number(click.FloatRange):
+    """A finite number in a range: `nan` passes every comparison of `FloatRange` and `inf`
+    turns a timeout into no timeout (or an OverflowError where it becomes an integer)."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+#: Seconds or milliseconds to wait, 0 included; and an amount that must be above 0.
+DURATION = Number(min=0)
+POSITIVE = Number(min=0, min_open=True)
+
+
+def numbers(
+    text: str, flag: str, kind: Callable[[str], float], low: float, high: float
+) -> list[Any]:
+    """A comma-separated list of `kind` (int or float) in [low, high], for a flag that sweeps
+    (`--concurrency 1,8,64`); an empty item, a non-finite number or one out of range is a
+    usage error naming the flag."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = kind(item.strip())
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and low <= value <= high):
+            noun, span = (
+                ("integers", f"{low:,} to {high:,}")
+                if kind is int
+                else ("numbers", f"{low:g} to {high:g}")
+            )
+            raise click.UsageError(
+                f"{flag} takes {noun} from {span}, comma-separated; got {item!r}"
+            )
+        values.append(value)
+    return values
+
+
+#: A header name: RFC 9110's token.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def headers(values: Iterable[str], flag: str = "--header") -> dict[str, str]:
+    """`NAME:VALUE` options as headers. A value is never quoted back: it may be a key."""
+    found: dict[str, str] = {}
+    for text in values:
+        name, sep, value = text.partition(":")
+        name, value = name.strip(), value.strip()
+        if not sep or not _TOKEN.fullmatch(name):
+            shown = f" {name!r}" if sep and len(name) <= 64 else ""
+            raise click.UsageError(f"{flag}{shown}: use NAME:VALUE, NAME a header name")
+        if any(c in value for c in "\r\n\0"):
+            raise click.UsageError(f"{flag} {name}: a value may not hold CR, LF or NUL")
+        found[name] = value
+    return found
+
+
+def http_url(url: str, what: str = "URL") -> str:
+    """An http(s) URL with a host, else a usage error (not one failed request per try)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        parts.port  # noqa: B018 - raises ValueError when the port is not a number in range
+    except ValueError:
+        ok = False
+    if not ok:
+        raise click.UsageError(f"{what} must be an http(s) URL, e.g. http://127.0.0.1:8000/v1")
+    return url
 
 
 def fail(message: str) -> None:

@@ -6,9 +6,10 @@ msgspec decodes the YAML into typed structs, so a bad config fails at start with
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -351,10 +352,28 @@ def load(path: str | Path) -> Settings:
 
 def check(settings: Settings) -> None:
     """Cross-field rules that types alone cannot say."""
+    _finite(settings, "$")
     names = [u.name for u in settings.upstreams]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"upstream names must be unique: {', '.join(dupes)} - at `$.upstreams`")
+
+
+def _finite(value: Any, path: str) -> None:
+    """Every number is finite: YAML spells infinity `.inf`, which passes a lower bound and
+    makes a timeout no timeout (or a bucket that never empties)."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"Expected a finite number - at `{path}`")
+    elif isinstance(value, Struct):
+        for name in value.__struct_fields__:
+            _finite(getattr(value, name), f"{path}.{name}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _finite(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _finite(item, f"{path}.{key}")
 
 
 #: `--upstream` scheme prefixes naming the API an upstream speaks (a plain URL is OpenAI's).

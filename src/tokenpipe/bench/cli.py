@@ -13,13 +13,12 @@ from typing import Any
 import click
 import orjson
 
+from tokenpipe import cli_support
+from tokenpipe.cli_support import DURATION, POSITIVE
 
-def _floats(text: str | None) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()] if text else []
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+#: Most users of one run: each holds a connection, and a client machine runs out of ports
+#: (~28,000 to one address) and files long before.
+MAX_CONCURRENCY = 100_000
 
 
 @click.command("bench")
@@ -34,13 +33,13 @@ def _ints(text: str) -> list[int]:
 @click.option(
     "--requests",
     "n_requests",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Requests per run.  [default: 100 unless --duration]",
 )
-@click.option("--duration", type=float, default=None, help="Seconds per run instead of a count.")
+@click.option("--duration", type=POSITIVE, default=None, help="Seconds per run instead of a count.")
 @click.option(
-    "--rate", type=float, default=None, help="Open loop: arrivals per second (else closed loop)."
+    "--rate", type=POSITIVE, default=None, help="Open loop: arrivals per second (else closed loop)."
 )
 @click.option(
     "--arrival",
@@ -51,14 +50,14 @@ def _ints(text: str) -> list[int]:
 )
 @click.option(
     "--burstiness",
-    type=float,
+    type=POSITIVE,
     default=1.0,
     show_default=True,
     help="Gamma shape: 1 is Poisson, <1 burstier, >1 more regular.",
 )
 @click.option(
     "--ramp",
-    type=float,
+    type=DURATION,
     default=0.0,
     show_default=True,
     help="Closed loop: start the users spread over this many seconds (one request's duration "
@@ -66,7 +65,7 @@ def _ints(text: str) -> list[int]:
 )
 @click.option(
     "--prompt-tokens",
-    type=int,
+    type=click.IntRange(min=1),
     default=64,
     show_default=True,
     help="Length of synthetic prompts (tokens).",
@@ -79,7 +78,7 @@ def _ints(text: str) -> list[int]:
 )
 @click.option(
     "--max-tokens",
-    type=int,
+    type=click.IntRange(min=0),
     default=64,
     show_default=True,
     help="max_tokens per request (0: leave it to the server).",
@@ -113,7 +112,7 @@ def _ints(text: str) -> list[int]:
 )
 @click.option(
     "--warmup",
-    type=int,
+    type=click.IntRange(min=0),
     default=4,
     show_default=True,
     help="Requests sent and discarded before each run.",
@@ -155,7 +154,11 @@ def _ints(text: str) -> list[int]:
     "--seed", type=int, default=0, show_default=True, help="Seed of prompts and arrivals."
 )
 @click.option(
-    "--timeout", type=float, default=600.0, show_default=True, help="Seconds one request may take."
+    "--timeout",
+    type=POSITIVE,
+    default=600.0,
+    show_default=True,
+    help="Seconds one request may take.",
 )
 @click.option(
     "--json",
@@ -214,8 +217,9 @@ def bench(
 
     \b
     URL is a base URL (http://127.0.0.1:8000/v1) or the endpoint of --api.
-    TTFT counts to the first content token; ITL is reported per token and per chunk;
-    TPOT = (last - first token) / (tokens - 1); goodput counts requests within --slo.
+    TTFT counts to the first content token; ITL is reported per token and
+    per chunk; TPOT = (last - first token) / (tokens - 1); goodput counts
+    requests within --slo.
     Examples:
       tokenpipe bench http://127.0.0.1:8000/v1 --concurrency 1,8,64 --requests 200
       tokenpipe bench URL --rate 20 --arrival gamma --burstiness 0.5 --duration 60
@@ -237,15 +241,15 @@ def bench(
     err = Console(stderr=True)
     try:
         slo_obj = parse_slo(slo) if slo else None
-        concurrencies = _ints(concurrency)
-        temps: list[float | None] = list(_floats(temperature)) or [None]
+        concurrencies = cli_support.numbers(concurrency, "--concurrency", int, 1, MAX_CONCURRENCY)
+        temps: list[float | None] = [None]
+        if temperature is not None:
+            temps = cli_support.numbers(temperature, "--temperature", float, 0, 2)
         prompt_list = prompts_mod.from_jsonl(prompts_file) if prompts_file else None
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    if not concurrencies or min(concurrencies) < 1:
-        raise click.UsageError("--concurrency needs positive integers")
-    if ramp < 0 or (ramp and rate is not None):
-        raise click.UsageError("--ramp takes seconds >= 0, and only in a closed loop (no --rate)")
+    if ramp and rate is not None:
+        raise click.UsageError("--ramp works only in a closed loop (no --rate)")
     protocols = [p.strip() for p in compare.split(",")] if compare else [protocol]
     for p in protocols:
         if p not in ("sse", "h2", "grpc"):
@@ -260,12 +264,7 @@ def bench(
             protocols = [p for p in protocols if p != "grpc"]
             if not protocols:
                 sys.exit(2)
-    extra_headers: dict[str, str] = {}
-    for h in headers:
-        name, sep, value = h.partition(":")
-        if not sep:
-            raise click.UsageError(f"--header {h!r}: use NAME:VALUE")
-        extra_headers[name.strip()] = value.strip()
+    extra_headers = cli_support.headers(headers)
     if n_requests is None and duration is None:
         n_requests = 2000 if self_test else 100
 
@@ -309,6 +308,7 @@ def bench(
         return
     if not url:
         raise click.UsageError("URL is required (or --self-test)")
+    cli_support.http_url(url)
     warning = asyncio.run(sim_header_warning(url, extra_headers))
     if warning:
         err.print(f"[yellow]tokenpipe bench: {warning}[/]")

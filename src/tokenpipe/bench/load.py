@@ -244,8 +244,9 @@ async def _closed_loop(
                 return
             await one(i, k)
 
+    # Users past the number of requests would find none to send.
     async with asyncio.TaskGroup() as tg:
-        for k in range(users):
+        for k in range(users if requests is None else min(users, requests)):
             tg.create_task(user(k))
 
 

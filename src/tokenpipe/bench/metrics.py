@@ -18,6 +18,7 @@ exactly across tasks, runs and processes.
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -248,16 +249,20 @@ def parse_slo(text: str) -> SLO:
 
 
 def parse_duration(value: str) -> float:
-    """'500ms', '1.5s', '200' (ms) -> seconds."""
+    """'500ms', '1.5s', '200' (ms) -> seconds: finite and above 0."""
     v = value.strip().lower()
     try:
         if v.endswith("ms"):
-            return float(v[:-2]) / 1000.0
-        if v.endswith("s"):
-            return float(v[:-1])
-        return float(v) / 1000.0
+            seconds = float(v[:-2]) / 1000.0
+        elif v.endswith("s"):
+            seconds = float(v[:-1])
+        else:
+            seconds = float(v) / 1000.0
     except ValueError:
-        raise ValueError(f"bad duration {value!r}: use e.g. 500ms or 1.5s") from None
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"bad duration {value!r}: use e.g. 500ms or 1.5s (above 0)")
+    return seconds
 
 
 @dataclass(slots=True)

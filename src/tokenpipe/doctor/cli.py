@@ -10,6 +10,9 @@ from pathlib import Path
 import click
 import orjson
 
+from tokenpipe import cli_support
+from tokenpipe.cli_support import DURATION, POSITIVE, Number
+
 
 @click.command("doctor")
 @click.argument("url")
@@ -24,21 +27,21 @@ import orjson
 )
 @click.option(
     "--max-tokens",
-    type=int,
+    type=click.IntRange(min=1),
     default=64,
     show_default=True,
     help="max_tokens of the traced requests and the shared-connection probe.",
 )
 @click.option(
     "--prompt-tokens",
-    type=int,
+    type=click.IntRange(min=1),
     default=32,
     show_default=True,
     help="Length of the synthetic prompt (tokens).",
 )
 @click.option(
     "--temperature",
-    type=float,
+    type=Number(min=0, max=2),
     default=None,
     help="Sampling temperature to request.  [default: the server's]",
 )
@@ -71,21 +74,21 @@ import orjson
 )
 @click.option(
     "--stall-factor",
-    type=float,
+    type=Number(min=1),
     default=8.0,
     show_default=True,
     help="A gap over this x the median chunk gap (and --stall-min-ms) is a stall.",
 )
 @click.option(
     "--stall-min-ms",
-    type=float,
+    type=DURATION,
     default=100.0,
     show_default=True,
     help="A gap shorter than this (ms) is never a stall.",
 )
 @click.option(
     "--slow-first-token-ms",
-    type=float,
+    type=DURATION,
     default=500.0,
     show_default=True,
     help="TTFT beyond the network phases over this (ms) is slow_first_token.",
@@ -108,7 +111,7 @@ import orjson
 @click.option(
     "--profile",
     "profile_pid",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     metavar="PID",
     help="Record a py-spy flame graph of this (tokenpipe) process meanwhile.",
@@ -122,12 +125,16 @@ import orjson
 )
 @click.option(
     "--profile-seconds",
-    type=float,
+    type=POSITIVE,
     default=None,
     help="How long to sample.  [default: while the doctor runs, estimated]",
 )
 @click.option(
-    "--timeout", type=float, default=300.0, show_default=True, help="Seconds one request may take."
+    "--timeout",
+    type=POSITIVE,
+    default=300.0,
+    show_default=True,
+    help="Seconds one request may take.",
 )
 @click.option(
     "--json",
@@ -170,13 +177,14 @@ def doctor(
     """Explain where one streaming request's latency goes, and name what is wrong.
 
     \b
-    Waterfall: dns, connect, tls, request_sent, headers, first_token, decode, tail
-    (+ the server's own phases when it reports them: a tokenpipe gateway's
-    Server-Timing, drawn inside the waterfall, and an engine's queue/prefill/decode).
+    Waterfall: dns, connect, tls, request_sent, headers, first_token,
+    decode, tail (+ the server's own phases when it reports them: a tokenpipe
+    gateway's Server-Timing, drawn inside the waterfall, and an engine's
+    queue/prefill/decode).
     Findings: stall, slow_first_token, chunking, queueing, slow_dns, slow_tls,
     hol_blocking, superlinear_output_scaling, each with its evidence.
-    To see a finding on purpose, inject it at the sim itself (not through a gateway,
-    which drops x-sim-* headers): --header x-sim-fault:stall:10:500.
+    To see a finding on purpose, inject it at the sim itself (not through a
+    gateway, which drops x-sim-* headers): --header x-sim-fault:stall:10:500.
     """
     from tokenpipe.doctor import render
     from tokenpipe.doctor.findings import Thresholds
@@ -184,16 +192,9 @@ def doctor(
     from tokenpipe.doctor.run import DoctorOptions, diagnose
     from tokenpipe.serving import install_uvloop
 
-    hdrs: dict[str, str] = {}
-    for h in headers:
-        name, sep, value = h.partition(":")
-        if not sep:
-            raise click.UsageError(f"--header {h!r}: use NAME:VALUE")
-        hdrs[name.strip()] = value.strip()
-    try:
-        lengths = [int(x) for x in sweep.split(",") if x.strip()]
-    except ValueError:
-        raise click.UsageError("--sweep takes integers, e.g. 16,32,64,128") from None
+    cli_support.http_url(url)
+    hdrs = cli_support.headers(headers)
+    lengths = cli_support.numbers(sweep, "--sweep", int, 1, 1 << 20) if sweep.strip() else []
     opts = DoctorOptions(
         url=url,
         model=model,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from tokenpipe.cli_support import configure_logging, fail
+from tokenpipe.cli_support import PORT, POSITIVE, configure_logging, fail
 
 
 @click.command("local")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8001, show_default=True, help="0: any free port.")
+@click.option("--port", type=PORT, default=8001, show_default=True, help="0: any free port.")
 @click.option(
     "--ctx",
     "n_ctx",
@@ -33,14 +33,14 @@ from tokenpipe.cli_support import configure_logging, fail
 )
 @click.option(
     "--max-queue-wait",
-    type=click.FloatRange(min=0, min_open=True),
+    type=POSITIVE,
     default=30.0,
     show_default=True,
     help="Longest wait for the model in seconds; then 503.",
 )
 @click.option(
     "--max-pause",
-    type=click.FloatRange(min=0, min_open=True),
+    type=POSITIVE,
     default=30.0,
     show_default=True,
     help="Longest decoding waits for a client that stopped reading (seconds); then the "
@@ -90,11 +90,13 @@ def local(
     """Serve the embedded Gemma 3 270M (llama.cpp, CPU) as an OpenAI-compatible API.
 
     \b
-    Routes: POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models,
-    GET /healthz, GET /metrics, GET /local/stats (per-request timing and token timestamps).
-    Non-streamed responses carry x-tokenpipe-queue-ms, x-tokenpipe-prefill-ms and
-    x-tokenpipe-decode-ms; streams end with the comment `: tokenpipe queue_ms=... prefill_ms=...
-    decode_ms=...` before `data: [DONE]`.
+    Routes: POST /v1/chat/completions, POST /v1/completions (stream or
+    not), GET /v1/models, GET /healthz, GET /metrics, GET /local/stats
+    (per-request timing and token timestamps).
+    Non-streamed responses carry x-tokenpipe-queue-ms, x-tokenpipe-prefill-ms
+    and x-tokenpipe-decode-ms; streams end with the comment
+    `: tokenpipe queue_ms=... prefill_ms=... decode_ms=...` before
+    `data: [DONE]`.
     """
     from tokenpipe import ports, serving
     from tokenpipe.engines.local import model as model_mod

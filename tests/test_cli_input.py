@@ -1,0 +1,68 @@
+"""Bad values on the command line are usage errors (exit code 2) naming the flag, found before
+anything starts: not a port wrapped around, a traceback, a hang, or one failed request per try.
+"""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from tokenpipe.cli import main
+
+URL = "http://127.0.0.1:9/v1"  # never reached: every case fails while its flags are read
+
+CASES = [
+    # A port past 65535 wrapped around in the socket call (99999 listened on 34463); a
+    # negative one failed with a traceback.
+    (["serve", "--port", "99999"], "--port"),
+    (["serve", "--grpc-port", "-5"], "--grpc-port"),
+    (["sim", "--port", "65536"], "--port"),
+    (["local", "--port", "-1"], "--port"),
+    # Durations: nan passed click's range check, inf made a drain or a timeout endless.
+    (["serve", "--drain-seconds", "-1"], "--drain-seconds"),
+    (["serve", "--drain-grace-seconds", "nan"], "--drain-grace-seconds"),
+    (["sim", "--ttft-ms", "inf"], "--ttft-ms"),
+    (["sim", "--itl-ms", "-1"], "--itl-ms"),
+    (["sim", "--rpm", "0"], "--rpm"),
+    (["sim", "--bucket-seconds", "nan"], "--bucket-seconds"),
+    (["local", "--max-queue-wait", "inf"], "--max-queue-wait"),
+    (["bench", URL, "--requests", "0"], "--requests"),
+    (["bench", URL, "--rate", "-1"], "--rate"),  # was a traceback
+    (["bench", URL, "--duration", "nan"], "--duration"),
+    (["bench", URL, "--timeout", "inf"], "--timeout"),  # was an OverflowError per request
+    (["bench", URL, "--burstiness", "0"], "--burstiness"),
+    (["bench", URL, "--warmup", "-1"], "--warmup"),
+    # Lists: an empty item was skipped, a word quoted Python's own error, and 10^8 users hung.
+    (["bench", URL, "--concurrency", "1,,8"], "--concurrency"),
+    (["bench", URL, "--concurrency", "a"], "--concurrency"),
+    (["bench", URL, "--concurrency", "99999999"], "--concurrency"),
+    (["bench", URL, "--temperature", "nan"], "--temperature"),
+    (["bench", URL, "--slo", "ttft=-5ms"], "bad duration"),
+    (["doctor", URL, "--sweep", "0"], "--sweep"),
+    (["doctor", URL, "--temperature", "3"], "--temperature"),
+    (["doctor", URL, "--stall-factor", "0.5"], "--stall-factor"),
+    (["doctor", URL, "--timeout", "inf"], "--timeout"),  # was a traceback
+    (["doctor", URL, "--profile", "-1"], "--profile"),
+    # A header name that is no header name failed every request instead.
+    (["bench", URL, "--header", ":x"], "--header"),
+    (["doctor", URL, "--header", "a b:c"], "--header"),
+    # A URL that is not http(s) failed every request instead.
+    (["bench", "notaurl"], "URL must be an http(s) URL"),
+    (["doctor", "ftp://x"], "URL must be an http(s) URL"),
+]
+
+
+@pytest.mark.parametrize(("args", "named"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_a_bad_value_is_a_usage_error_naming_its_flag(args: list[str], named: str) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert named in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_header_value_is_never_quoted_back() -> None:
+    secret = "Bearer sk-" + "s" * 40
+    for value in (f"Authorization:{secret}\r\nX: y", secret):
+        result = CliRunner().invoke(main, ["bench", URL, "--header", value])
+        assert result.exit_code == 2, result.output
+        assert "sk-" not in result.output
