@@ -43,6 +43,11 @@ CASES = [
     (["doctor", URL, "--stall-factor", "0.5"], "--stall-factor"),
     (["doctor", URL, "--timeout", "inf"], "--timeout"),  # was a traceback
     (["doctor", URL, "--profile", "-1"], "--profile"),
+    # A fault that went backwards or forever ran; an empty rate quoted Python's error.
+    (["sim", "--fault", "reset:-5@0.1"], "bad fault spec 'reset:-5'"),
+    (["sim", "--fault", "stall:1:inf@0.1"], "bad fault spec"),
+    (["sim", "--fault", "stall-first:1e400@0.1"], "bad fault spec"),
+    (["sim", "--fault", "stall-first:10@"], "fault rate must be a number"),
     # A header name that is no header name failed every request instead.
     (["bench", URL, "--header", ":x"], "--header"),
     (["doctor", URL, "--header", "a b:c"], "--header"),

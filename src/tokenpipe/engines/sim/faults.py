@@ -13,6 +13,7 @@ SPEC is one of:
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -27,6 +28,24 @@ class Fault:
     status: int = 0
 
 
+#: Longest stall a fault may ask for (ms): an hour. `hang-after-headers` is the endless one.
+MAX_STALL_MS = 3_600_000.0
+
+
+def _ms(text: str) -> float:
+    ms = float(text)
+    if not 0 <= ms <= MAX_STALL_MS:  # nan and inf fail this too
+        raise ValueError
+    return ms
+
+
+def _after(text: str) -> int:
+    after = int(text)
+    if after < 0:
+        raise ValueError
+    return after
+
+
 def parse(spec: str) -> Fault:
     parts = spec.strip().split(":")
     kind, args = parts[0], parts[1:]
@@ -37,11 +56,11 @@ def parse(spec: str) -> Fault:
                 raise ValueError
             return Fault("status", status=code)
         if kind == "stall-first" and len(args) == 1:
-            return Fault(kind, ms=float(args[0]))
+            return Fault(kind, ms=_ms(args[0]))
         if kind == "stall" and len(args) == 2:
-            return Fault(kind, after=int(args[0]), ms=float(args[1]))
+            return Fault(kind, after=_after(args[0]), ms=_ms(args[1]))
         if kind in ("reset", "truncate") and len(args) == 1:
-            return Fault(kind, after=int(args[0]))
+            return Fault(kind, after=_after(args[0]))
         if kind in ("garbage", "hang-after-headers") and not args:
             return Fault(kind)
     except ValueError:
@@ -54,9 +73,12 @@ def parse_rated(spec: str) -> tuple[Fault, float]:
     fault, sep, rate = spec.rpartition("@")
     if not sep:
         raise ValueError(f"fault {spec!r} needs a rate: SPEC@RATE, e.g. stall-first:3000@0.05")
-    p = float(rate)
+    try:
+        p = float(rate)
+    except ValueError:
+        p = math.nan
     if not 0 <= p <= 1:
-        raise ValueError(f"fault rate must be within [0, 1], got {rate}")
+        raise ValueError(f"fault rate must be a number within [0, 1], got {rate!r}")
     return parse(fault), p
 
 
