@@ -4,6 +4,9 @@ anything starts: not a port wrapped around, a traceback, a hang, or one failed r
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from click.testing import CliRunner
 
@@ -48,6 +51,10 @@ CASES = [
     (["sim", "--fault", "stall:1:inf@0.1"], "bad fault spec"),
     (["sim", "--fault", "stall-first:1e400@0.1"], "bad fault spec"),
     (["sim", "--fault", "stall-first:10@"], "fault rate must be a number"),
+    # A memory size below 0 printed a batch of -1; nan or past a float's range, a traceback.
+    (["kv", "--model", "llama-3.1-8b", "--memory", "-5GiB"], "--memory"),
+    (["kv", "--model", "llama-3.1-8b", "--memory", "1e400GB"], "--memory"),
+    (["kv", "--model", "llama-3.1-8b", "--memory", "abc"], "--memory"),
     # A header name that is no header name failed every request instead.
     (["bench", URL, "--header", ":x"], "--header"),
     (["doctor", URL, "--header", "a b:c"], "--header"),
@@ -71,3 +78,23 @@ def test_a_header_value_is_never_quoted_back() -> None:
         result = CliRunner().invoke(main, ["bench", URL, "--header", value])
         assert result.exit_code == 2, result.output
         assert "sk-" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["serve", "--host", "no such host", "--upstream", URL], "cannot listen on 'no such host'"),
+        (["serve", "--host", "192.0.2.1", "--upstream", URL], "192.0.2.1 is not an address of"),
+        (["sim", "--host", "192.0.2.1", "--port", "0"], "192.0.2.1 is not an address of"),
+    ],
+)
+def test_an_address_this_machine_cannot_listen_on_is_one_line(args: list[str], said: str) -> None:
+    # Each was a socket.gaierror or OSError traceback. 192.0.2.1 is TEST-NET-1 (RFC 5737):
+    # never an address of this machine.
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenpipe", *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tokenpipe: {said}"), done.stderr
+    assert "Traceback" not in done.stderr

@@ -8,7 +8,7 @@ import click
 
 from tokenpipe import __version__
 from tokenpipe.cli_support import DURATION, PORT, POSITIVE, configure_logging, fail
-from tokenpipe.ports import PortBusy
+from tokenpipe.ports import CannotListen
 
 if TYPE_CHECKING:
     from tokenpipe.settings import Settings
@@ -170,13 +170,14 @@ def serve(
         cfg.server.access_log = access_log
     try:
         _serve(cfg, workers, log_level)
-    except PortBusy as e:
+    except CannotListen as e:
         fail(str(e))
 
 
 def _serve(cfg: Settings, workers: int, log_level: str) -> None:
     """Holds or checks the ports first, then starts the local model if there is no upstream,
-    then serves. A busy port raises PortBusy before any slow start-up work."""
+    then serves. A busy port raises PortBusy (an address not of this machine CannotListen)
+    before any slow start-up work."""
     from tokenpipe import gateway, ports, serving
     from tokenpipe import settings as settings_mod
     from tokenpipe.context.tokens import LOCAL_MODEL
@@ -198,7 +199,7 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
 
     def run_gateway() -> None:
         held.close()
-        with ports.startup_errors(cfg.server.port, grpc_port):
+        with ports.startup_errors(cfg.server.port, grpc_port, host):
             if workers > 1:
                 from tokenpipe import workers as workers_mod
 
@@ -363,10 +364,10 @@ def sim(
     from tokenpipe import ports
 
     try:
-        with ports.startup_errors(port):
+        with ports.startup_errors(port, host=host):
             ports.check_free(host, port, "--port")
             serving.run(serving.serve(app, host, port, drain_seconds=1.0, name="tokenpipe sim"))
-    except PortBusy as e:
+    except CannotListen as e:
         fail(str(e))
 
 

@@ -1,4 +1,5 @@
-"""Start-up port checks: a busy port is one line and exit code 2, never a traceback.
+"""Start-up port checks: a busy port (or an address not of this machine, a port that needs
+privileges) is one line and exit code 2, never a traceback.
 
 Every server command binds its HTTP socket (or checks its other ports) before any slow start-up
 work, so `tokenpipe serve` on a busy port fails in a moment instead of after loading a model.
@@ -18,17 +19,41 @@ from collections.abc import Iterator
 _GRPC_BIND = re.compile(r"Failed to bind to address \S*?:(\d+)")
 
 
-class PortBusy(Exception):
+class CannotListen(Exception):
+    """An address or port this process cannot listen on: the command says so in one line."""
+
+
+class PortBusy(CannotListen):
     def __init__(self, port: int, flag: str) -> None:
         super().__init__(f"port {port} is in use (another tokenpipe?); use {flag}")
         self.port = port
         self.flag = flag
 
 
+def _unknown_host(host: str, e: socket.gaierror) -> CannotListen:
+    return CannotListen(f"cannot listen on {host!r}: {e.strerror}; use --host with an address")
+
+
 def _address(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int]]:
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise _unknown_host(host, e) from None
     family, _, _, _, addr = infos[0]
     return family, (str(addr[0]), int(addr[1]))
+
+
+def _refused(e: OSError, host: str, port: int, flag: str) -> CannotListen | None:
+    """What a failed bind means to the one who started the command (None: not theirs)."""
+    if e.errno == errno.EADDRINUSE:
+        return PortBusy(port, flag)
+    if e.errno == errno.EADDRNOTAVAIL:
+        return CannotListen(f"{host} is not an address of this machine; use --host")
+    if e.errno == errno.EACCES:
+        return CannotListen(f"port {port} needs privileges this process lacks; use {flag}")
+    return None
 
 
 def _bind(host: str, port: int, flag: str) -> socket.socket:
@@ -41,9 +66,10 @@ def _bind(host: str, port: int, flag: str) -> socket.socket:
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise PortBusy(port, flag) from None
-        raise
+        refused = _refused(e, host, port, flag)
+        if refused is None:
+            raise
+        raise refused from None
     return sock
 
 
@@ -62,14 +88,18 @@ def check_free(host: str, port: int, flag: str) -> None:
 
 
 @contextlib.contextmanager
-def startup_errors(http_port: int, grpc_port: int = 0) -> Iterator[None]:
-    """Turns a bind failure while a server starts into PortBusy (a race lost after the checks)."""
+def startup_errors(http_port: int, grpc_port: int = 0, host: str = "") -> Iterator[None]:
+    """Turns a bind failure while a server starts into CannotListen (PortBusy: a race lost
+    after the checks)."""
     try:
         yield
+    except socket.gaierror as e:
+        raise _unknown_host(host, e) from None
     except OSError as e:
-        if e.errno != errno.EADDRINUSE:
+        refused = _refused(e, host, http_port, "--port")
+        if refused is None:
             raise
-        raise PortBusy(http_port, "--port") from None
+        raise refused from None
     except RuntimeError as e:
         m = _GRPC_BIND.search(str(e))
         if m is None:

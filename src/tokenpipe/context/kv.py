@@ -22,6 +22,7 @@ wrong by n_heads / n_kv_heads for every GQA/MQA model. We print it next to ours.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -383,7 +384,15 @@ def parse_size(text: str) -> float:
         ("b", 1.0),
     )
     t = text.strip().lower().replace(" ", "")
-    for suffix, factor in units:
+    number, factor = t, 1.0
+    for suffix, unit in units:
         if t.endswith(suffix):
-            return float(t[: -len(suffix)]) * factor
-    return float(t)
+            number, factor = t[: -len(suffix)], unit
+            break
+    try:
+        size = float(number) * factor
+    except ValueError:
+        size = math.nan
+    if not (math.isfinite(size) and size > 0):
+        raise ValueError(f"--memory takes a size above 0 such as 24GiB or 80GB, got {text!r}")
+    return size

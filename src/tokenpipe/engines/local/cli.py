@@ -107,7 +107,7 @@ def local(
         return
     try:  # the port before the model: a busy port fails at once, not after loading
         held = ports.bound_socket(host, port)  # let go just before the server binds it
-    except ports.PortBusy as e:
+    except ports.CannotListen as e:
         fail(str(e))
         return
     port = held.getsockname()[1]
@@ -134,8 +134,8 @@ def local(
     )
     held.close()
     try:
-        with ports.startup_errors(port):
+        with ports.startup_errors(port, host=host):
             app = server.app()
             serving.run(serving.serve(app, host, port, drain_seconds=5.0, name="tokenpipe local"))
-    except ports.PortBusy as e:
+    except ports.CannotListen as e:
         fail(str(e))
