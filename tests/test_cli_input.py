@@ -55,6 +55,13 @@ CASES = [
     (["kv", "--model", "llama-3.1-8b", "--memory", "-5GiB"], "--memory"),
     (["kv", "--model", "llama-3.1-8b", "--memory", "1e400GB"], "--memory"),
     (["kv", "--model", "llama-3.1-8b", "--memory", "abc"], "--memory"),
+    # Upstream URLs that were a traceback at start-up (or at the first request), or that no
+    # path can be added to.
+    (["serve", "--upstream", "http://[::1"], "not a valid upstream URL"),
+    (["serve", "--upstream", "http://x:99999/v1"], "not a valid upstream URL"),
+    (["serve", "--upstream", "http://:80/v1"], "needs http:// or https:// and a host"),
+    (["serve", "--upstream", "http://h/v1?x=1"], "no ?query or #fragment"),
+    (["serve", "--upstream", "http://h /v1"], "may not hold spaces"),
     # A header name that is no header name failed every request instead.
     (["bench", URL, "--header", ":x"], "--header"),
     (["doctor", URL, "--header", "a b:c"], "--header"),
@@ -98,3 +105,16 @@ def test_an_address_this_machine_cannot_listen_on_is_one_line(args: list[str], s
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"tokenpipe: {said}"), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_credentials_in_an_upstream_url_are_refused_and_never_quoted(tmp_path) -> None:
+    config = tmp_path / "gw.yaml"
+    config.write_text("upstreams:\n  - {name: a, url: 'http://user:s3cret@h/v1'}\n")
+    for args in (
+        ["serve", "--upstream", "http://user:s3cret@h/v1"],
+        ["config", "check", str(config)],
+    ):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 2, result.output
+        assert "may not hold credentials" in result.output
+        assert "s3cret" not in result.output

@@ -353,6 +353,10 @@ def load(path: str | Path) -> Settings:
 def check(settings: Settings) -> None:
     """Cross-field rules that types alone cannot say."""
     _finite(settings, "$")
+    for i, upstream in enumerate(settings.upstreams):
+        problem = url_problem(upstream.url)
+        if problem:
+            raise ConfigError(f"{problem} - at `$.upstreams[{i}].url`")
     names = [u.name for u in settings.upstreams]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -380,6 +384,31 @@ def _finite(value: Any, path: str) -> None:
 API_PREFIXES = {"anthropic+": "anthropic", "openai+": "openai"}
 
 
+def url_problem(url: str) -> str | None:
+    """What is wrong with an upstream's base URL, or None. Each of these was a traceback at
+    the first request (or start-up), or a URL that no path could be added to."""
+    from urllib.parse import urlsplit
+
+    if any(c.isspace() or ord(c) < 32 for c in url):
+        return "an upstream URL may not hold spaces or control characters"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError when not a number in 0-65535
+    except ValueError as e:
+        return f"not a valid upstream URL ({e})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "an upstream URL needs http:// or https:// and a host"
+    if parts.username is not None or parts.password is not None:
+        # Never quoted back: it holds a secret.
+        return (
+            "an upstream URL may not hold credentials (they would be logged): put the key "
+            "in an environment variable named by the config's `api_key_env` (docs/config.md)"
+        )
+    if parts.query or parts.fragment:
+        return "an upstream URL is a base URL: no ?query or #fragment (paths are added to it)"
+    return None
+
+
 def upstream_from_url(url: str, index: int) -> UpstreamSettings:
     """`serve --upstream URL`: a base URL with or without `/v1`, optionally prefixed by the
     API it speaks (`anthropic+https://api.anthropic.com/v1`)."""
@@ -387,13 +416,16 @@ def upstream_from_url(url: str, index: int) -> UpstreamSettings:
     for prefix, name in API_PREFIXES.items():
         if url.startswith(prefix):
             api, url = name, url[len(prefix) :]
+    problem = url_problem(url)
+    if problem:
+        raise ConfigError(f"--upstream: {problem}")
     try:
         return msgspec.convert(
             {"name": f"upstream{index}", "url": normalise_base_url(url), "api": api},
             UpstreamSettings,
         )
     except msgspec.ValidationError:
-        raise ConfigError(f"--upstream must be an http(s) URL, got {url!r}") from None
+        raise ConfigError("--upstream: an upstream URL needs http:// or https://") from None
 
 
 def normalise_base_url(url: str) -> str:
