@@ -320,3 +320,18 @@ async def test_the_genai_metrics_go_out_over_otlp_when_a_metrics_endpoint_is_set
         if "error.type" in p
     }
     assert failed == {("404", "other")}  # (a model no upstream serves: bounded to `other`)
+
+
+async def test_an_otel_setting_the_sdk_refuses_leaves_the_gateway_serving_untraced(
+    sim: procs.Service, tmp_path: Path
+) -> None:
+    # OTEL_BSP_MAX_QUEUE_SIZE=-5 made the batch processor raise through start-up: no gateway.
+    cfg = _config(tmp_path, sim, "refused")
+    with Receiver() as receiver:
+        env = {**receiver.env(), "OTEL_BSP_MAX_QUEUE_SIZE": "-5", KEY_ENV: UPSTREAM_KEY}
+        with procs.gateway("--config", cfg, env=env) as gw:
+            _, rid, _ = await _secret_request(gw.url)
+            assert "OpenTelemetry is off: max_queue_size must be a positive integer" in gw.output()
+        records = [x for x in await sim_records(sim) if x["id"] == rid]
+        assert [x["traceparent"] for x in records] == [None]
+        assert receiver.received.requests == 0

@@ -102,6 +102,26 @@ def setup(capture_content: bool = False) -> bool:
     traces_to, metrics_to = traces_endpoint(), metrics_endpoint()
     if not traces_to and not metrics_to:
         return False
+    try:
+        _start(traces_to, metrics_to)
+    except ValueError as e:
+        # An OTEL_* value the SDK refuses (OTEL_BSP_MAX_QUEUE_SIZE=-5 raised through start-up).
+        # Telemetry is not worth the traffic: as the OpenTelemetry spec asks of bad settings,
+        # the gateway says so and runs without it.
+        shutdown()
+        log.error("OpenTelemetry is off: %s (an OTEL_* environment variable)", e)
+        return False
+    tracing.CAPTURE = capture_content
+    log.info(
+        "OpenTelemetry: traces %s, GenAI metrics %s%s",
+        f"to {traces_to} ({_protocol('TRACES')})" if traces_to else "off",
+        f"to {metrics_to} ({_protocol('METRICS')})" if metrics_to else "off",
+        "; prompt and completion text captured" if capture_content else "",
+    )
+    return True
+
+
+def _start(traces_to: str, metrics_to: str) -> None:
     from tokenpipe import __version__
 
     resource = _resource()
@@ -128,14 +148,6 @@ def setup(capture_content: bool = False) -> bool:
         meters = MeterProvider(resource=resource, metric_readers=[reader])
         _providers.append(meters)
         tracing.METRICS = GenAIMetrics(meters.get_meter("tokenpipe", __version__))
-    tracing.CAPTURE = capture_content
-    log.info(
-        "OpenTelemetry: traces %s, GenAI metrics %s%s",
-        f"to {traces_to} ({_protocol('TRACES')})" if traces_to else "off",
-        f"to {metrics_to} ({_protocol('METRICS')})" if metrics_to else "off",
-        "; prompt and completion text captured" if capture_content else "",
-    )
-    return True
 
 
 def shutdown() -> None:
