@@ -109,3 +109,20 @@ def test_any_bytes_load_or_fail_with_a_config_error(tmp_path: Path, raw: bytes) 
         settings_mod.load(path)
     except settings_mod.ConfigError as e:
         assert str(e).startswith(f"{path}: ")
+
+
+def test_an_upstream_key_loses_the_blanks_around_it_and_may_not_break_a_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "gw.yaml"
+    path.write_text("upstreams: [{name: a, url: 'http://h/v1', api_key_env: TP_TEST_KEY}]")
+    # A key read from a file or a mounted secret ends with a newline: it was a traceback at
+    # start-up ("contains a line break"); blanks around it went into the header.
+    monkeypatch.setenv("TP_TEST_KEY", " sk-abc123\n")
+    assert settings_mod.load(path).upstreams[0].api_key() == "sk-abc123"
+    monkeypatch.setenv("TP_TEST_KEY", "sk-abc\r\nX-Forged: 1")
+    with pytest.raises(settings_mod.ConfigError, match=r"\$TP_TEST_KEY holds a line break") as e:
+        settings_mod.load(path)
+    assert "sk-abc" not in str(e.value)
+    monkeypatch.setenv("TP_TEST_KEY", " \n")
+    assert settings_mod.load(path).upstreams[0].api_key() is None

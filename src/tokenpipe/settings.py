@@ -105,7 +105,10 @@ class UpstreamSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     continue_final_message: bool = False
 
     def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+        """The key from the environment, without the blanks around it (a key read from a
+        file or a mounted secret often ends with a newline); None when unset or blank."""
+        key = os.environ.get(self.api_key_env, "").strip() if self.api_key_env else ""
+        return key or None
 
 
 class ContextModel(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -357,6 +360,13 @@ def check(settings: Settings) -> None:
         problem = url_problem(upstream.url)
         if problem:
             raise ConfigError(f"{problem} - at `$.upstreams[{i}].url`")
+        key = upstream.api_key()
+        if key and any(ord(c) < 32 or ord(c) == 127 for c in key):
+            # Never quoted: it is a secret. A line break in it would forge header lines.
+            raise ConfigError(
+                f"the key in ${upstream.api_key_env} holds a line break or control character,"
+                f" which no header may - at `$.upstreams[{i}].api_key_env`"
+            )
     names = [u.name for u in settings.upstreams]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
