@@ -118,3 +118,12 @@ def test_credentials_in_an_upstream_url_are_refused_and_never_quoted(tmp_path) -
         assert result.exit_code == 2, result.output
         assert "may not hold credentials" in result.output
         assert "s3cret" not in result.output
+
+
+@pytest.mark.parametrize("command", ["bench", "doctor"])
+def test_a_key_with_a_line_break_is_a_usage_error_before_any_request(command: str) -> None:
+    # Each request failed on it ("Forbidden control character detected in headers").
+    result = CliRunner().invoke(main, [command, URL], env={"TOKENPIPE_API_KEY": "sk-s3cret\nX: y"})
+    assert result.exit_code == 2, result.output
+    assert "--api-key" in result.output and "line break" in result.output
+    assert "s3cret" not in result.output

@@ -86,6 +86,16 @@ def headers(values: Iterable[str], flag: str = "--header") -> dict[str, str]:
     return found
 
 
+def api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """`--api-key` (or its environment variable) without the blanks around it: a key read
+    from a file often ends with a newline. One with a line break inside is a usage error,
+    found before any request fails on it. The key is never quoted back."""
+    key = (value or "").strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise click.BadParameter("holds a line break or control character", ctx, param)
+    return key or None
+
+
 def http_url(url: str, what: str = "URL") -> str:
     """An http(s) URL with a host, else a usage error (not one failed request per try)."""
     from urllib.parse import urlsplit

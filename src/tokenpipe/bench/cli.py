@@ -136,6 +136,7 @@ MAX_CONCURRENCY = 100_000
     "--api-key",
     envvar="TOKENPIPE_API_KEY",
     default=None,
+    callback=cli_support.api_key,
     help="Bearer key (or env TOKENPIPE_API_KEY). Never printed.",
 )
 @click.option(

@@ -106,6 +106,7 @@ from tokenpipe.cli_support import DURATION, POSITIVE, Number
     "--api-key",
     envvar="TOKENPIPE_API_KEY",
     default=None,
+    callback=cli_support.api_key,
     help="Bearer key (or env TOKENPIPE_API_KEY). Never printed.",
 )
 @click.option(
