@@ -29,6 +29,7 @@ CASES = [
     (["sim", "--rpm", "0"], "--rpm"),
     (["sim", "--bucket-seconds", "nan"], "--bucket-seconds"),
     (["local", "--max-queue-wait", "inf"], "--max-queue-wait"),
+    (["local", "--threads", "10000"], "--threads"),  # ggml runs at most 512
     (["bench", URL, "--requests", "0"], "--requests"),
     (["bench", URL, "--rate", "-1"], "--rate"),  # was a traceback
     (["bench", URL, "--duration", "nan"], "--duration"),

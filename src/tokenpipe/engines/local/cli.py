@@ -20,7 +20,7 @@ from tokenpipe.cli_support import PORT, POSITIVE, configure_logging, fail
 )
 @click.option(
     "--threads",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=512),  # ggml's GGML_MAX_N_THREADS
     default=None,
     help="llama.cpp threads.  [default: one fewer than the CPUs, at least 1]",
 )
