@@ -50,6 +50,10 @@ def warnings(cfg: object) -> list[str]:
     for name in cfg.limits.upstreams:
         if name not in names:
             out.append(f"limits.upstreams.{name}: no upstream is named {name!r}")
+    for model, order in cfg.tail.fallbacks.items():
+        for name in order:
+            if name not in names:
+                out.append(f"tail.fallbacks.{model}: no upstream is named {name!r}")
     keys = {k.name for k in cfg.auth.api_keys} or {"anonymous"}
     for name in cfg.keys:
         if name != "*" and name not in keys:
