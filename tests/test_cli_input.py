@@ -63,6 +63,13 @@ CASES = [
     (["serve", "--upstream", "http://:80/v1"], "needs http:// or https:// and a host"),
     (["serve", "--upstream", "http://h/v1?x=1"], "no ?query or #fragment"),
     (["serve", "--upstream", "http://h /v1"], "may not hold spaces"),
+    # A file written at the end, into a directory that does not exist: a traceback after
+    # the whole run, its results lost.
+    (["bench", URL, "--json", "/nonexistent-dir/run.json"], "/nonexistent-dir does not exist"),
+    (["bench", URL, "--html", "/nonexistent-dir/run.html"], "--html"),
+    (["doctor", URL, "--json", "/nonexistent-dir/d.json"], "--json"),
+    (["doctor", URL, "--profile-out", "/nonexistent-dir/f.svg"], "--profile-out"),
+    (["kv", "--model", "llama-3.1-8b", "--json", "/nonexistent-dir/kv.json"], "--json"),
     # A header name that is no header name failed every request instead.
     (["bench", URL, "--header", ":x"], "--header"),
     (["doctor", URL, "--header", "a b:c"], "--header"),

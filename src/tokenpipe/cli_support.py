@@ -96,6 +96,21 @@ def api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     return key or None
 
 
+def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A file a command writes at its end (`--json`, `--html`): its directory must exist and be
+    writable now, so a run's results are not lost to a typo after the run. '-': stdout."""
+    if value is None or value == "-":
+        return value
+    import os
+
+    folder = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(folder):
+        raise click.BadParameter(f"the directory {folder} does not exist", ctx, param)
+    if not os.access(folder, os.W_OK):
+        raise click.BadParameter(f"the directory {folder} is not writable", ctx, param)
+    return value
+
+
 def http_url(url: str, what: str = "URL") -> str:
     """An http(s) URL with a host, else a usage error (not one failed request per try)."""
     from urllib.parse import urlsplit

@@ -165,6 +165,7 @@ MAX_CONCURRENCY = 100_000
     "--json",
     "json_path",
     type=click.Path(dir_okay=False),
+    callback=cli_support.output_file,
     metavar="FILE",
     help="Write every request and the summaries as JSON.",
 )
@@ -172,6 +173,7 @@ MAX_CONCURRENCY = 100_000
     "--html",
     "html_path",
     type=click.Path(dir_okay=False),
+    callback=cli_support.output_file,
     metavar="FILE",
     help="Write a self-contained HTML report with plots.",
 )

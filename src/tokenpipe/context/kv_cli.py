@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from tokenpipe import cli_support
 from tokenpipe.context import kv
 
 
@@ -62,6 +63,7 @@ def _size(n: float) -> str:
     "--json",
     "json_path",
     type=click.Path(dir_okay=False),
+    callback=cli_support.output_file,
     default=None,
     metavar="FILE",
     help="Also write the figures as JSON ('-': standard output).",

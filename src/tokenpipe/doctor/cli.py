@@ -120,6 +120,7 @@ from tokenpipe.cli_support import DURATION, POSITIVE, Number
 @click.option(
     "--profile-out",
     type=click.Path(dir_okay=False),
+    callback=cli_support.output_file,
     default="doctor-flame.svg",
     show_default=True,
     help="Where --profile writes the flame graph (SVG).",
@@ -141,6 +142,7 @@ from tokenpipe.cli_support import DURATION, POSITIVE, Number
     "--json",
     "json_path",
     type=click.Path(dir_okay=False),
+    callback=cli_support.output_file,
     metavar="FILE",
     help="Write phases_ms, findings and the raw timings as JSON.",
 )
@@ -148,6 +150,7 @@ from tokenpipe.cli_support import DURATION, POSITIVE, Number
     "--html",
     "html_path",
     type=click.Path(dir_okay=False),
+    callback=cli_support.output_file,
     metavar="FILE",
     help="Write a self-contained HTML report with the waterfall and plots.",
 )
