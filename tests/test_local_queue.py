@@ -220,3 +220,10 @@ def test_gemma_turns_put_system_text_in_the_first_user_turn_and_end_with_the_mod
     assert all(control for t, control in segs if t.startswith("<start_of_turn>"))
     with pytest.raises(PromptError):
         chat_segments([])
+    # A role outside the chat schema was read as the user's (a 200); now the client's 400.
+    with pytest.raises(PromptError, match="role 'wizard' is not one of"):
+        chat_segments([{"role": "wizard", "content": "x"}])
+    with pytest.raises(PromptError, match="role 5 is not one of"):
+        chat_segments([{"role": 5, "content": "x"}])
+    tool_turn = chat_segments([{"role": "tool", "content": "42"}])
+    assert "".join(t for t, _ in tool_turn).startswith("<start_of_turn>user\n42")

@@ -18,6 +18,8 @@ Segment = tuple[str, bool]
 START = "<start_of_turn>"
 END = "<end_of_turn>"
 _ROLES = {"assistant": "model", "model": "model"}  # everything else speaks as the user
+#: The roles of OpenAI's chat schema (and Gemma's own `model`); another is the client's 400.
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "model")
 
 
 class PromptError(ValueError):
@@ -53,7 +55,10 @@ def chat_segments(messages: list[dict[str, Any]]) -> list[Segment]:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise PromptError("each message needs a role")
-        role = str(m["role"])
+        role = m["role"]
+        if role not in KNOWN_ROLES:
+            shown = repr(role)[:64]
+            raise PromptError(f"role {shown} is not one of {', '.join(KNOWN_ROLES)}")
         text = content_text(m.get("content"))
         if role in ("system", "developer"):
             system.append(text)
