@@ -64,7 +64,7 @@ def test_config_check_accepts_a_good_file_and_warns_about_likely_mistakes(tmp_pa
         "    api_key_env: TOKENPIPE_TEST_UNSET_KEY\n"
         "limits:\n  upstreams:\n    opneai: {rpm: 10}\n"
         "keys:\n  batch: {rpm: 5}\n"
-        "tail:\n  fallbacks: {gpt-4o: [openai, azrue]}\n"
+        "tail:\n  fallbacks: {gpt-4o: [openai, azrue]}\n  ttft: {ceiling_seconds: 1}\n"
     )
     out = _check(cfg)
     assert out.returncode == 0, out.stderr
@@ -75,6 +75,11 @@ def test_config_check_accepts_a_good_file_and_warns_about_likely_mistakes(tmp_pa
     assert "limits.upstreams.opneai: no upstream is named 'opneai'" in out.stderr
     assert "keys.batch: no API key is named 'batch'" in out.stderr
     assert "tail.fallbacks.gpt-4o: no upstream is named 'azrue'" in out.stderr
+    # The floor's default (2 s) is above the ceiling set: clamped, the ceiling wins.
+    assert (
+        "tail.ttft: floor_seconds (2) is above ceiling_seconds (1), so ceiling_seconds wins"
+        in out.stderr
+    )
 
 
 def test_every_documented_example_config_passes_check(tmp_path: Path) -> None:

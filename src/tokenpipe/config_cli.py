@@ -50,6 +50,23 @@ def warnings(cfg: object) -> list[str]:
     for name in cfg.limits.upstreams:
         if name not in names:
             out.append(f"limits.upstreams.{name}: no upstream is named {name!r}")
+    tail = cfg.tail
+    for where, low, high, low_name, high_name in (
+        ("tail.ttft", tail.ttft.floor_seconds, tail.ttft.ceiling_seconds, "floor", "ceiling"),
+        ("tail.stall", tail.stall.floor_seconds, tail.stall.ceiling_seconds, "floor", "ceiling"),
+        (
+            "tail.retries",
+            tail.retries.backoff_base_seconds,
+            tail.retries.backoff_cap_seconds,
+            "backoff_base",
+            "backoff_cap",
+        ),
+    ):
+        if low > high:  # one side set, the other's default beyond it: the upper one wins
+            out.append(
+                f"{where}: {low_name}_seconds ({low:g}) is above {high_name}_seconds ({high:g}),"
+                f" so {high_name}_seconds wins"
+            )
     for model, order in cfg.tail.fallbacks.items():
         for name in order:
             if name not in names:

@@ -367,52 +367,10 @@ def check(settings: Settings) -> None:
                 f"the key in ${upstream.api_key_env} holds a line break or control character,"
                 f" which no header may - at `$.upstreams[{i}].api_key_env`"
             )
-    _ordered(settings)
     names = [u.name for u in settings.upstreams]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"upstream names must be unique: {', '.join(dupes)} - at `$.upstreams`")
-
-
-def _ordered(settings: Settings) -> None:
-    """Pairs that are a lower and an upper bound: the lower may not be above the upper (a
-    deadline clamped between a floor of 20 s and a ceiling of 1 s has no meaning)."""
-    tail, limits = settings.tail, settings.limits
-    pairs = [
-        (
-            limits.initial_concurrency,
-            limits.max_concurrency,
-            "limits",
-            "initial_concurrency",
-            "max_concurrency",
-        ),
-        (
-            tail.retries.backoff_base_seconds,
-            tail.retries.backoff_cap_seconds,
-            "tail.retries",
-            "backoff_base_seconds",
-            "backoff_cap_seconds",
-        ),
-        (
-            tail.ttft.floor_seconds,
-            tail.ttft.ceiling_seconds,
-            "tail.ttft",
-            "floor_seconds",
-            "ceiling_seconds",
-        ),
-        (
-            tail.stall.floor_seconds,
-            tail.stall.ceiling_seconds,
-            "tail.stall",
-            "floor_seconds",
-            "ceiling_seconds",
-        ),
-    ]
-    for low, high, where, low_name, high_name in pairs:
-        if low > high:
-            raise ConfigError(
-                f"{low_name} ({low:g}) is above {high_name} ({high:g}) - at `$.{where}`"
-            )
 
 
 def _finite(value: Any, path: str) -> None:
