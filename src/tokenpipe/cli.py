@@ -176,8 +176,8 @@ def serve(
 
 def _serve(cfg: Settings, workers: int, log_level: str) -> None:
     """Holds or checks the ports first, then starts the local model if there is no upstream,
-    then serves. A busy port raises PortBusy (an address not of this machine CannotListen)
-    before any slow start-up work."""
+    then serves. An address or port it cannot listen on raises CannotListen (PortBusy when
+    the port is taken) before any slow start-up work."""
     from tokenpipe import gateway, ports, serving
     from tokenpipe import settings as settings_mod
     from tokenpipe.context.tokens import LOCAL_MODEL

@@ -15,12 +15,12 @@ from typing import Any
 import click
 
 
-#: A TCP port: 0 (any free one) to 65535. A larger number would wrap around in the socket
-#: call (99999 listened on 34463) and a negative one failed with a traceback.
 class _Port(click.IntRange):
     name = "port"  # `--port PORT` in --help, not `INTEGER RANGE`
 
 
+#: A TCP port: 0 (any free one) to 65535. A larger number would wrap around in the socket
+#: call (99999 listened on 34463) and a negative one failed with a traceback.
 PORT = _Port(0, 65535)
 
 
