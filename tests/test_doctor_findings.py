@@ -115,7 +115,7 @@ def test_a_gateways_phases_split_a_slow_first_token_and_are_placed_where_they_ra
     )
     [f] = F.find_slow_first_token([_rec(0.907)], [ph], F.Thresholds())
     assert (
-        "of it: network and client 2 ms, gateway 601 ms (largest: queue 600 ms), upstream 302 ms"
+        "of it: network and client 2.0 ms, gateway 601 ms (largest: queue 600 ms), upstream 302 ms"
         in f.evidence
     )
     [q] = F.find_queueing([_rec(0.907)], [ph], F.Thresholds())
@@ -132,3 +132,12 @@ def test_a_gateways_phases_split_a_slow_first_token_and_are_placed_where_they_ra
     assert rows["engine prefill"] == (703.0, 853.0)
     # Without Server-Timing nothing is drawn and nothing split.
     assert inside.rows(_phases()) == [] and inside.first_token_split(_phases()) is None
+
+
+def test_a_gateways_phases_under_a_millisecond_are_not_printed_as_zero() -> None:
+    from tokenpipe.doctor import inside
+
+    # "inside the gateway, edge (0 ms)" read as if the gateway had reported nothing.
+    assert inside.ms_text(0.34) == "0.3"
+    assert inside.ms_text(9.96) == "10.0"
+    assert inside.ms_text(12.4) == "12"

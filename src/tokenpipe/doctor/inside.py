@@ -114,6 +114,12 @@ def rows(ph: dict[str, float]) -> list[Row]:
     return out
 
 
+def ms_text(ms: float) -> str:
+    """Milliseconds as a reader wants them: a tenth below 10 ms (a gateway's phases are often
+    under 1 ms, which `:.0f` would print as 0), whole ones above."""
+    return f"{ms:.1f}" if ms < 10 else f"{ms:.0f}"
+
+
 def largest_gateway_phase(ph: dict[str, float]) -> tuple[str, float] | None:
     """(its row label, ms) of the gateway's biggest phase of its own (the upstream's headers
     are the upstream's time), None without Server-Timing."""
@@ -134,9 +140,9 @@ def first_token_split(ph: dict[str, float]) -> str | None:
     waited = ph.get("headers", 0.0) + ph.get("first_token", 0.0)
     network = max(0.0, waited - ph["server_first_token"])
     biggest = largest_gateway_phase(ph)
-    text = f"network and client {network:.0f} ms, gateway {gateway:.0f} ms"
+    text = f"network and client {ms_text(network)} ms, gateway {ms_text(gateway)} ms"
     if biggest is not None:
-        text += f" (largest: {biggest[0].removeprefix('gateway ')} {biggest[1]:.0f} ms)"
+        text += f" (largest: {biggest[0].removeprefix('gateway ')} {ms_text(biggest[1])} ms)"
     text += f", upstream {upstream:.0f} ms"
     engine = [f"{s.label} {ph[s.key]:.0f} ms" for s in ENGINE[:2] if s.key in ph]
     if engine:

@@ -201,7 +201,8 @@ def summary_line(r: DoctorReport) -> str:
         f"{total:.0f} ms end to end; the largest phase is {biggest} "
         f"({ph[biggest]:.0f} ms, {share:.0%})"
         + (
-            f"; inside the gateway, {gateway[0].removeprefix('gateway ')} ({gateway[1]:.0f} ms)"
+            f"; inside the gateway, {gateway[0].removeprefix('gateway ')}"
+            f" ({inside.ms_text(gateway[1])} ms)"
             if gateway is not None
             else ""
         )
