@@ -135,3 +135,11 @@ def test_a_key_with_a_line_break_is_a_usage_error_before_any_request(command: st
     assert result.exit_code == 2, result.output
     assert "--api-key" in result.output and "line break" in result.output
     assert "s3cret" not in result.output
+
+
+def test_a_key_that_is_not_utf8_is_a_usage_error() -> None:
+    # Bytes that are not UTF-8 in the environment reach Python as surrogates; every request
+    # failed on them.
+    result = CliRunner().invoke(main, ["bench", URL], env={"TOKENPIPE_API_KEY": "sk-\udcff"})
+    assert result.exit_code == 2, result.output
+    assert "is not valid UTF-8" in result.output

@@ -80,3 +80,16 @@ def test_every_help_fits_an_80_column_terminal(command: list[str]) -> None:
     result = CliRunner().invoke(main, [*command, "--help"], terminal_width=80)
     assert result.exit_code == 0, result.output
     assert [line for line in result.output.splitlines() if len(line) > 80] == []
+
+
+def test_an_argument_that_is_not_utf8_is_refused_before_any_command_runs() -> None:
+    # Such bytes reach Python as lone surrogates: a model name so was a TypeError for every
+    # request, a host name a UnicodeError traceback, a report path a traceback after the run.
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenpipe", "bench", "http://127.0.0.1:9/v1", "--model", b"m\xff"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == "tokenpipe: argument 4 is not valid UTF-8"

@@ -9,6 +9,8 @@ logs are on disk by then (bench.procs.Service saves each child's output when it 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -117,3 +119,36 @@ def test_no_log_file_of_this_test_run_holds_a_key() -> None:
     print(
         f"{len(files)} process logs, {lines} lines, no key ({time.time() - started:.0f} s of run)"
     )
+
+
+@pytest.mark.parametrize("command", ["bench", "doctor"])
+def test_a_report_never_holds_the_key_it_was_run_with(
+    sim: procs.Service, tmp_path: Path, command: str
+) -> None:
+    # The reports' `command` line quoted argv whole: `--api-key` and an Authorization header
+    # were written into the JSON and the HTML.
+    out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
+    key, other = "sk-report-1f2e3d4c", "sk-report-9a8b7c6d"
+    quick = ["--requests", "1"] + (["--sweep", "", "--streams", "0"] if command == "doctor" else [])
+    secrets_given = ["--api-key", key, "--header", f"Authorization: Bearer {other}"]
+    outputs = ["--header", "x-a:1", "--json", str(out_json), "--html", str(out_html)]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenpipe",
+            command,
+            sim.url + "/v1",
+            *quick,
+            *secrets_given,
+            *outputs,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    for path in (out_json, out_html):
+        text = path.read_text()
+        assert "--api-key" in text and "x-a:1" in text  # the command is there, masked
+        assert key not in text and other not in text

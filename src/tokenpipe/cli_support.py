@@ -93,6 +93,10 @@ def api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     key = (value or "").strip()
     if any(ord(c) < 32 or ord(c) == 127 for c in key):
         raise click.BadParameter("holds a line break or control character", ctx, param)
+    try:
+        key.encode()
+    except UnicodeEncodeError:  # bytes that are not UTF-8, from the environment
+        raise click.BadParameter("is not valid UTF-8", ctx, param) from None
     return key or None
 
 
@@ -111,6 +115,36 @@ def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -
     return value
 
 
+#: Header names whose values are secrets, by the words in them (`authorization`, `x-api-key`,
+#: `api-key`, `x-auth-token`, a proxy's `proxy-authorization`, ...).
+_SECRET_WORDS = ("auth", "key", "token", "secret", "cookie", "password")
+
+
+def command_line(name: str, args: list[str]) -> str:
+    """The command as typed, for a report (`--json`, `--html`), with every secret masked: the
+    value of `--api-key` and of a `--header` whose name is a credential's. Bytes that are not
+    UTF-8 (argv holds them as surrogates, which JSON cannot) are shown as U+FFFD."""
+    import shlex
+
+    shown: list[str] = []
+    masked = False
+    for arg in args:
+        if masked:
+            arg, masked = "***", False
+        elif arg == "--api-key":
+            masked = True
+        elif arg.startswith("--api-key="):
+            arg = "--api-key=***"
+        elif (shown and shown[-1] == "--header") or arg.startswith("--header="):
+            prefix = "--header=" if arg.startswith("--header=") else ""
+            header, sep, _ = arg.removeprefix(prefix).partition(":")
+            if sep and any(w in header.lower() for w in _SECRET_WORDS):
+                arg = f"{prefix}{header}:***"
+        shown.append(arg)
+    text = f"tokenpipe {name} " + shlex.join(shown)
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def http_url(url: str, what: str = "URL") -> str:
     """An http(s) URL with a host, else a usage error (not one failed request per try)."""
     from urllib.parse import urlsplit
@@ -119,7 +153,9 @@ def http_url(url: str, what: str = "URL") -> str:
         parts = urlsplit(url)
         ok = parts.scheme in ("http", "https") and bool(parts.hostname)
         parts.port  # noqa: B018 - raises ValueError when the port is not a number in range
-    except ValueError:
+        url.encode()  # bytes that are not UTF-8 came in as surrogates: no URL holds them
+        (parts.hostname or "").encode("idna")
+    except (ValueError, UnicodeError):
         ok = False
     if not ok:
         raise click.UsageError(f"{what} must be an http(s) URL, e.g. http://127.0.0.1:8000/v1")

@@ -404,6 +404,10 @@ def url_problem(url: str) -> str | None:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError when not a number in 0-65535
+        url.encode()  # bytes that are not UTF-8 came in as surrogates (argv, a file's name)
+        (parts.hostname or "").encode("idna")
+    except UnicodeError:  # before ValueError: it is one, and its text quotes the bad bytes
+        return "not a valid upstream URL (bytes that are not UTF-8, or not a host name)"
     except ValueError as e:
         return f"not a valid upstream URL ({e})"
     if parts.scheme not in ("http", "https") or not parts.hostname:

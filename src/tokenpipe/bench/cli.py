@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -330,7 +329,7 @@ def bench(
     report.print_report(runs, slo_obj, console, wide=wide)
     if temps != [None]:
         table_mod.temperature_table(console, runs, wide=wide)
-    command = "tokenpipe bench " + shlex.join(sys.argv[2:])
+    command = cli_support.command_line("bench", sys.argv[2:])
     meta = {
         "command": command,
         "url": url,

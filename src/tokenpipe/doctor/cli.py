@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shlex
 import sys
 from pathlib import Path
 
@@ -244,7 +243,7 @@ def doctor(
     from rich.console import Console
 
     render.print_text(report, Console(width=None if sys.stdout.isatty() else 140))
-    command = "tokenpipe doctor " + shlex.join(sys.argv[2:])
+    command = cli_support.command_line("doctor", sys.argv[2:])
     if json_path:
         doc = report.to_json()
         doc["command"] = command
