@@ -70,6 +70,8 @@ CASES = [
     (["doctor", URL, "--json", "/nonexistent-dir/d.json"], "--json"),
     (["doctor", URL, "--profile-out", "/nonexistent-dir/f.svg"], "--profile-out"),
     (["kv", "--model", "llama-3.1-8b", "--json", "/nonexistent-dir/kv.json"], "--json"),
+    (["bench", URL, "--protocol", "grpc", "--grpc-url", "127.0.0.1:99999"], "--grpc-url"),
+    (["doctor", URL, "--grpc-url", "h:0"], "--grpc-url"),
     # A header name that is no header name failed every request instead.
     (["bench", URL, "--header", ":x"], "--header"),
     (["doctor", URL, "--header", "a b:c"], "--header"),

@@ -145,6 +145,16 @@ def command_line(name: str, args: list[str]) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
+def grpc_target(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """`HOST:PORT` (or any gRPC target): a port past 65535 would wrap around, as a listening
+    one did (99999 is 34463), and connect somewhere else."""
+    if value:
+        port = value.rpartition(":")[2]
+        if port.isdigit() and not 0 < int(port) <= 65535:
+            raise click.BadParameter(f"port {port} is not in 1-65535", ctx, param)
+    return value
+
+
 def http_url(url: str, what: str = "URL") -> str:
     """An http(s) URL with a host, else a usage error (not one failed request per try)."""
     from urllib.parse import urlsplit

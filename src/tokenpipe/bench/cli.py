@@ -106,6 +106,7 @@ MAX_CONCURRENCY = 100_000
 @click.option(
     "--grpc-url",
     default=None,
+    callback=cli_support.grpc_target,
     metavar="HOST:PORT",
     help="gRPC target.  [default: URL's host, port 50051]",
 )

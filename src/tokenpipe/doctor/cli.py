@@ -68,6 +68,7 @@ from tokenpipe.cli_support import DURATION, POSITIVE, Number
 @click.option(
     "--grpc-url",
     default=None,
+    callback=cli_support.grpc_target,
     metavar="HOST:PORT",
     help="Run the shared-connection probe over this gRPC target (one channel).",
 )
