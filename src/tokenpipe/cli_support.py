@@ -7,6 +7,7 @@ their commands to its group), so the command line has no import cycle.
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable
@@ -90,8 +91,10 @@ def api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     """`--api-key` (or its environment variable) without the blanks around it: a key read
     from a file often ends with a newline. One with a line break inside is a usage error,
     found before any request fails on it. The key is never quoted back."""
+    from tokenpipe.settings import has_control_characters
+
     key = (value or "").strip()
-    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+    if has_control_characters(key):
         raise click.BadParameter("holds a line break or control character", ctx, param)
     try:
         key.encode()
@@ -105,8 +108,6 @@ def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -
     writable now, so a run's results are not lost to a typo after the run. '-': stdout."""
     if value is None or value == "-":
         return value
-    import os
-
     folder = os.path.dirname(os.path.abspath(value))
     if not os.path.isdir(folder):
         raise click.BadParameter(f"the directory {folder} does not exist", ctx, param)
@@ -127,15 +128,13 @@ def command_line(name: str, args: list[str]) -> str:
     import shlex
 
     shown: list[str] = []
-    masked = False
     for arg in args:
-        if masked:
-            arg, masked = "***", False
-        elif arg == "--api-key":
-            masked = True
+        after = shown[-1] if shown else ""
+        if after == "--api-key":
+            arg = "***"
         elif arg.startswith("--api-key="):
             arg = "--api-key=***"
-        elif (shown and shown[-1] == "--header") or arg.startswith("--header="):
+        elif after == "--header" or arg.startswith("--header="):
             prefix = "--header=" if arg.startswith("--header=") else ""
             header, sep, _ = arg.removeprefix(prefix).partition(":")
             if sep and any(w in header.lower() for w in _SECRET_WORDS):
@@ -157,17 +156,9 @@ def grpc_target(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 def http_url(url: str, what: str = "URL") -> str:
     """An http(s) URL with a host, else a usage error (not one failed request per try)."""
-    from urllib.parse import urlsplit
+    from tokenpipe.settings import url_problem
 
-    try:
-        parts = urlsplit(url)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
-        parts.port  # noqa: B018 - raises ValueError when the port is not a number in range
-        url.encode()  # bytes that are not UTF-8 came in as surrogates: no URL holds them
-        (parts.hostname or "").encode("idna")
-    except (ValueError, UnicodeError):
-        ok = False
-    if not ok:
+    if url_problem(url, base_url=False):
         raise click.UsageError(f"{what} must be an http(s) URL, e.g. http://127.0.0.1:8000/v1")
     return url
 

@@ -361,7 +361,7 @@ def check(settings: Settings) -> None:
         if problem:
             raise ConfigError(f"{problem} - at `$.upstreams[{i}].url`")
         key = upstream.api_key()
-        if key and any(ord(c) < 32 or ord(c) == 127 for c in key):
+        if key and has_control_characters(key):
             # Never quoted: it is a secret. A line break in it would forge header lines.
             raise ConfigError(
                 f"the key in ${upstream.api_key_env} holds a line break or control character,"
@@ -394,9 +394,16 @@ def _finite(value: Any, path: str) -> None:
 API_PREFIXES = {"anthropic+": "anthropic", "openai+": "openai"}
 
 
-def url_problem(url: str) -> str | None:
+def has_control_characters(text: str) -> bool:
+    """A line break or another control character (C0 or DEL): what no header value may hold."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def url_problem(url: str, base_url: bool = True) -> str | None:
     """What is wrong with an upstream's base URL, or None. Each of these was a traceback at
-    the first request (or start-up), or a URL that no path could be added to."""
+    the first request (or start-up), or a URL that no path could be added to. `base_url`
+    False: only whether it is an http(s) URL with a host (a bench's target may name its
+    endpoint, query included)."""
     from urllib.parse import urlsplit
 
     if any(c.isspace() or ord(c) < 32 for c in url):
@@ -412,6 +419,8 @@ def url_problem(url: str) -> str | None:
         return f"not a valid upstream URL ({e})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return "an upstream URL needs http:// or https:// and a host"
+    if not base_url:
+        return None
     if parts.username is not None or parts.password is not None:
         # Never quoted back: it holds a secret.
         return (
