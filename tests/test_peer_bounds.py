@@ -13,7 +13,8 @@ from opentelemetry import trace
 
 from tokenpipe import usage
 from tokenpipe.clock import ManualClock
-from tokenpipe.context.lookup import ANNOUNCED, ModelLookup
+from tokenpipe.context import tokens
+from tokenpipe.context.lookup import ANNOUNCED, MAX_MODELS, ModelLookup
 from tokenpipe.dialects import openai_schema
 from tokenpipe.dialects.anthropic_schema import CountTokensRequest, MessagesRequest
 from tokenpipe.dialects.chat_request import chat_request
@@ -92,6 +93,37 @@ async def test_a_stream_of_made_up_model_names_is_not_a_line_each_at_info(
             await lookup.counter(f"gpt-4o-made-up-{i}")
     told = [r for r in caplog.records if "counts tokens with" in r.getMessage()]
     assert len(told) == ANNOUNCED
+
+
+async def test_made_up_names_of_one_tokenizer_share_its_counter_and_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each made-up `gpt-4-...` name loaded a tiktoken counter of its own, with its own cache
+    of counts (~11 MiB full, 1,024 names kept): a client's names multiplied the memory."""
+    loads: list[str] = []
+    real = tokens.load_tokenizer
+
+    def load(name: str) -> tokens.TokenCounter | None:
+        loads.append(name)
+        return real(name)
+
+    monkeypatch.setattr(tokens, "load_tokenizer", load)
+    lookup = ModelLookup({}, Router([]))
+    first = await lookup.counter("gpt-4-made-up-0")
+    assert first.exact and first.name == "tiktoken:cl100k_base"
+    first.count("counted once")
+    for i in range(1, MAX_MODELS + 10):  # past the names kept: the first is forgotten
+        assert await lookup.counter(f"gpt-4-made-up-{i}") is first
+    assert await lookup.counter("gpt-4-made-up-0") is first  # not loaded again
+    assert loads == ["tiktoken:cl100k_base"]
+    assert isinstance(first, tokens.CachedCounter) and len(first._seen) == 1
+
+
+async def test_estimators_stay_one_a_model() -> None:
+    """An estimator learns its model's ratio: two models never share one."""
+    lookup = ModelLookup({}, Router([]))
+    a, b = await lookup.counter("made-up-a"), await lookup.counter("made-up-b")
+    assert not a.exact and a is not b and await lookup.counter("made-up-a") is a
 
 
 def test_an_unknown_responses_parameter_is_named_bounded() -> None:

@@ -24,9 +24,10 @@ from tokenpipe.settings import ContextModel
 
 log = logging.getLogger("tokenpipe.context")
 
-#: Models whose counters and estimators are remembered; the oldest is forgotten beyond it.
+#: Models whose counters and estimators are remembered; the oldest is forgotten beyond it
+#: (an exact counter stays loaded: only the model's entry goes).
 MAX_MODELS = 1024
-#: Counter loads told at info level; later ones at debug.
+#: Models' counters told at info level; later ones at debug.
 ANNOUNCED = 64
 
 
@@ -35,10 +36,15 @@ class ModelLookup:
         self.models = models
         self.router = router
         self.discovery = WindowDiscovery()
+        #: A model's counter, by name (MAX_MODELS, least recently used forgotten first).
         self._counters: OrderedDict[str, tokens.TokenCounter] = OrderedDict()
-        self._loads = 0  # counters loaded so far
+        self._named = 0  # models given a counter so far
+        #: Loaded tokenizers (None: not available here). Unbounded in code, bounded in fact:
+        #: their names come from the config and tokens.tokenizer_of's fixed table, never
+        #: from a client's text.
+        self._tokenizers: dict[str, tokens.TokenCounter | None] = {}
         self._gguf_windows: dict[str, int | None] = {}
-        self._loading: SingleFlight[tokens.TokenCounter] = SingleFlight()
+        self._loading: SingleFlight[tokens.TokenCounter | None] = SingleFlight()
 
     async def window(self, model: str) -> int | None:
         cfg = self.models.get(model)
@@ -78,26 +84,44 @@ class ModelLookup:
                 log.warning("context: %s: %s", model, e)
 
     async def counter(self, model: str) -> tokens.TokenCounter:
-        """The model's counter; the first use loads its tokenizer off the event loop (a GGUF
-        vocabulary takes about a second), once however many requests need it meanwhile."""
+        """The model's counter; the first use of a tokenizer loads it off the event loop (a
+        GGUF vocabulary takes about a second), once however many requests need it meanwhile.
+
+        Counters are kept by tokenizer, not by model name: every name that maps to one (a
+        client may make up `gpt-4-...` names at will) shares its counter and its cache of
+        counts. Kept by name, each made-up name held a cache of its own (up to ~11 MiB at
+        65,536 texts, 1,024 names), and a flood of names evicted a GGUF counter that then
+        took a second to load again. Estimators stay one a model: each learns its own ratio.
+        """
         found = self._counters.get(model)
         if found is not None:
             self._counters.move_to_end(model)
             return found
-        return await self._loading.do(model, lambda: self._load(model))
-
-    async def _load(self, model: str) -> tokens.TokenCounter:
         cfg = self.models.get(model)
-        spec = cfg.tokenizer if cfg else "auto"
-        counter = await asyncio.to_thread(
-            tokens.open_counter, spec, model, cfg.gguf if cfg else None
+        name = tokens.tokenizer_of(
+            cfg.tokenizer if cfg else "auto", model, cfg.gguf if cfg else None
         )
-        if counter is None:
-            counter = tokens.Estimator()
-        # A client names any model: the first ANNOUNCED loads are told, the rest at debug
-        # (a stream of made-up names wrote a line each).
-        self._loads += 1
-        say = log.info if self._loads <= ANNOUNCED else log.debug
+        counter: tokens.TokenCounter | None = None
+        if name is not None:
+            if name in self._tokenizers:
+                counter = self._tokenizers[name]
+            else:
+                counter = await self._loading.do(name, lambda: self._load(name))
+            found = self._counters.get(model)  # another request's, while this one waited
+            if found is not None:
+                return found
+        return self._remember(model, counter or tokens.Estimator())
+
+    async def _load(self, name: str) -> tokens.TokenCounter | None:
+        counter = await asyncio.to_thread(tokens.load_tokenizer, name)
+        self._tokenizers[name] = counter
+        return counter
+
+    def _remember(self, model: str, counter: tokens.TokenCounter) -> tokens.TokenCounter:
+        # A client names any model: the first ANNOUNCED are told, the rest at debug (a
+        # stream of made-up names wrote a line each).
+        self._named += 1
+        say = log.info if self._named <= ANNOUNCED else log.debug
         say("context: %s counts tokens with %s", model, counter.name)
         self._counters[model] = counter
         while len(self._counters) > MAX_MODELS:

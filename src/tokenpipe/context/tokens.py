@@ -272,38 +272,51 @@ async def count_messages_off_loop(
     return count_messages(counter, messages)
 
 
-def open_counter(spec: str, model: str, gguf: str | None) -> TokenCounter | None:
-    """The exact counter a spec names, or None when it is not available here.
+def tokenizer_of(spec: str, model: str, gguf: str | None) -> str | None:
+    """The tokenizer a spec names for `model`, without loading it: "tiktoken:ENCODING" or
+    "gguf:PATH", None to estimate. Raises ValueError for a spec of no known kind.
 
     spec: "auto" (gguf if given, tiktoken for OpenAI's cl100k models, else None),
-    "estimate" (None), "tiktoken:ENCODING", "gguf:PATH".
+    "estimate" (None), "tiktoken:ENCODING", "gguf:PATH". The result depends on the model
+    name only through `LOCAL_MODEL` and `openai_encoding`'s fixed table, so the tokenizers a
+    client's model names reach are few whatever names it makes up (ModelLookup keeps one
+    counter per tokenizer on that ground).
     """
-    counter = _open_counter(spec, model, gguf)
-    return CachedCounter(counter) if counter is not None else None
-
-
-def _open_counter(spec: str, model: str, gguf: str | None) -> TokenCounter | None:
-
-    kind, _, arg = spec.partition(":")
+    kind = spec.partition(":")[0]
     if kind == "estimate":
         return None
+    if kind in ("tiktoken", "gguf"):
+        return spec
+    if kind == "auto":
+        if gguf:
+            return f"gguf:{gguf}"
+        if model == LOCAL_MODEL:
+            return "gguf:local"
+        encoding = openai_encoding(model)
+        return f"tiktoken:{encoding}" if encoding else None
+    raise ValueError(f"unknown tokenizer spec {spec!r}")
+
+
+def load_tokenizer(name: str) -> TokenCounter | None:
+    """The counter of a tokenizer `tokenizer_of` named, remembering what it counted; None
+    when it is not available here (no package, no file, no such encoding). Blocks: a GGUF
+    vocabulary takes about a second."""
+    kind, _, arg = name.partition(":")
     try:
         if kind == "tiktoken":
-            return TiktokenCounter(arg)
+            return CachedCounter(TiktokenCounter(arg))
         if kind == "gguf":
-            return GGUFCounter(resolve_gguf(arg))
-        if kind == "auto":
-            if gguf:
-                return GGUFCounter(resolve_gguf(gguf))
-            if model == LOCAL_MODEL:
-                return GGUFCounter(resolve_gguf("local"))
-            encoding = openai_encoding(model)
-            if encoding:
-                return TiktokenCounter(encoding)
-            return None
+            return CachedCounter(GGUFCounter(resolve_gguf(arg)))
     except (ImportError, LookupError, OSError, ValueError):
         return None
-    raise ValueError(f"unknown tokenizer spec {spec!r}")
+    raise ValueError(f"unknown tokenizer {name!r}")
+
+
+def open_counter(spec: str, model: str, gguf: str | None) -> TokenCounter | None:
+    """The exact counter a spec names for `model` (tokenizer_of), loaded now, or None when
+    it is not available here."""
+    name = tokenizer_of(spec, model, gguf)
+    return None if name is None else load_tokenizer(name)
 
 
 #: The model id `tokenpipe local` serves (the packaged Gemma 3 270M).
