@@ -364,7 +364,7 @@ class Call:
                             self.ctx.observe(tally.usage)
                         finally:
                             if self.parser is not None:
-                                tally.trace.output(self.parser.texts())  # (captured only)
+                                tally.trace.output(self.parser.recorded()[0])  # (captured only)
                                 self.parser.close()
 
     def _ticket_status(self, status: int) -> int | None:

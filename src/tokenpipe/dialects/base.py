@@ -227,6 +227,7 @@ class Dialect:
         """Can this upstream continue such a stream (some APIs need the upstream's help)?"""
         return True
 
-    def continuation(self, request: dict[str, Any], texts: list[str]) -> bytes:
-        """The request that continues `request` after the content deltas `texts`."""
+    def continuation(self, request: dict[str, Any], text: str, deltas: int) -> bytes:
+        """The request that continues `request` after `deltas` content deltas whose text is
+        `text`."""
         raise NotImplementedError

@@ -244,12 +244,12 @@ class OpenAIDialect(Dialect):
             "include_usage": True,
         }
 
-    def _remaining(self, obj: dict[str, Any], texts: list[str]) -> None:
+    def _remaining(self, obj: dict[str, Any], deltas: int) -> None:
         # One delta is one token for the servers we continue on (vLLM, llama.cpp, TGI and the
         # sim stream token by token); the remainder keeps the total length the client set.
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(obj.get(key), int):
-                obj[key] = max(1, obj[key] - len(texts))
+                obj[key] = max(1, obj[key] - deltas)
 
 
 class ChatDialect(OpenAIDialect):
@@ -271,12 +271,12 @@ class ChatDialect(OpenAIDialect):
         OpenAI-compatible upstream in general would answer the continuation as a new turn."""
         return upstream.continue_final_message
 
-    def continuation(self, request: dict[str, Any], texts: list[str]) -> bytes:
+    def continuation(self, request: dict[str, Any], text: str, deltas: int) -> bytes:
         obj = dict(request)
-        obj["messages"] = [*request["messages"], {"role": "assistant", "content": "".join(texts)}]
+        obj["messages"] = [*request["messages"], {"role": "assistant", "content": text}]
         obj["continue_final_message"] = True
         obj["add_generation_prompt"] = False
-        self._remaining(obj, texts)
+        self._remaining(obj, deltas)
         return orjson.dumps(obj)
 
 
@@ -294,10 +294,10 @@ class CompletionsDialect(OpenAIDialect):
             and request.get("suffix") is None
         )
 
-    def continuation(self, request: dict[str, Any], texts: list[str]) -> bytes:
+    def continuation(self, request: dict[str, Any], text: str, deltas: int) -> bytes:
         obj = dict(request)
-        obj["prompt"] = request["prompt"] + "".join(texts)
-        self._remaining(obj, texts)
+        obj["prompt"] = request["prompt"] + text
+        self._remaining(obj, deltas)
         return orjson.dumps(obj)
 
 

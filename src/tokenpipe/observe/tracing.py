@@ -243,10 +243,10 @@ class RequestTrace:
                     self.span.set_attribute("gen_ai.output.messages", _text(obj[field]))
                     break
 
-    def output(self, texts: list[str]) -> None:
+    def output(self, text: str) -> None:
         """A stream's content (captured only), as the conventions' output message."""
-        if self.capture and texts:
-            text = _text("".join(texts))
+        if self.capture and text:
+            text = _text(text)
             message = [{"role": "assistant", "parts": [{"type": "text", "content": text}]}]
             self.span.set_attribute("gen_ai.output.messages", orjson.dumps(message).decode())
 
@@ -361,7 +361,7 @@ class NoTrace(RequestTrace):
     def answer(self, status: int, body: bytes) -> None:
         pass
 
-    def output(self, texts: list[str]) -> None:
+    def output(self, text: str) -> None:
         pass
 
     def finish(

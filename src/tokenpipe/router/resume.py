@@ -27,8 +27,8 @@ async def resume(
         return None  # the client's own deadline cut it: not the upstream's failure
     policy, req = route.policy, route.req
     policy.unhealthy(route.upstream.name)
-    texts = parser.texts()
-    if not route.recorded or not texts:
+    text, deltas = parser.recorded()
+    if not route.recorded or not deltas:
         return None
     dialect = req.dialect
 
@@ -39,7 +39,7 @@ async def resume(
         policy,
         req,
         route.continuations,
-        body=dialect.continuation(req.obj, texts),
+        body=dialect.continuation(req.obj, text, deltas),
         first_token=True,
         ticket=route.side_ticket,
         avoid=route.upstream.name,
@@ -54,7 +54,7 @@ async def resume(
     log.info(
         "request %s: stream cut after %d deltas (%s), continued on %s",
         req.request_id,
-        len(texts),
+        deltas,
         error.message,
         a.upstream.name,
     )
