@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
@@ -45,6 +46,28 @@ def test_rolling_quantiles_forget_values_older_than_the_window() -> None:
     assert q is not None and q < 0.11
     clock.advance(120)
     assert est.count == 0 and est.quantile(0.5) is None
+
+
+def test_an_estimate_of_widely_spread_values_stays_small_and_right_at_the_top() -> None:
+    """A sketch kept a bin for every 1% step between its smallest and largest value: one
+    value of 1 us and one of 300 s held ~1,000 bins a sketch, 92 KiB an estimator, up to
+    4,096 estimators a table (a client's model names). Now each sketch keeps BINS."""
+    clock = ManualClock()
+    tracemalloc.start()
+    try:
+        est = RollingQuantiles(60.0, slices=6, clock=clock)
+        for _ in range(6):  # every slice of the window, and the merged view
+            for v in (1e-6, 300.0, 0.017):
+                est.add(v)
+            clock.advance(10)
+        clock.advance(-9)
+        top = est.quantile(0.99)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 60 * 1024, held  # 51 KiB; 92 KiB before
+    assert top is not None and abs(top - 300.0) / 300.0 < 0.01
+    assert est.quantile(0.5) == pytest.approx(0.017, rel=0.01)  # within the bins' range
 
 
 def test_deadline_is_static_until_enough_samples_then_clamped_k_times_p99() -> None:
