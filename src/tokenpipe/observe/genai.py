@@ -79,7 +79,7 @@ class GenAIMetrics:
             attrs["gen_ai.response.model"] = answered
         ok = status < 400
         if not ok:
-            attrs["error.type"] = str(status)
+            attrs["error.type"] = metrics.status_label(str(status))
         self.duration.record(duration, attrs)
         if not ok:
             return
