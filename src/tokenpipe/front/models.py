@@ -13,7 +13,8 @@ Unix epoch (OpenAI's `created` is 0 alike).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from bisect import bisect_left, bisect_right
+from collections.abc import Mapping, Sequence
 
 import orjson
 
@@ -50,18 +51,22 @@ def _anthropic_client(request: Request) -> bool:
 
 async def list_models(request: Request) -> Response:
     anthropic = _anthropic_client(request)
-    names = await request.app.gateway.router.models()
-    if anthropic:
-        return json_response(200, orjson.dumps(anthropic_page(names, request.query)))
-    data = [_openai_model(n) for n in names]
-    return json_response(200, orjson.dumps({"object": "list", "data": data}))
+    listing = await request.app.gateway.router.models()
+    if anthropic:  # a page: at most MAX_LIMIT models, found by bisection
+        return json_response(200, orjson.dumps(anthropic_page(listing.names, request.query)))
+    # The whole list, rendered once per change of an upstream's list (router.candidates).
+    body = listing.rendered.get("openai")
+    if body is None:
+        data = [_openai_model(n) for n in listing.names]
+        body = listing.rendered["openai"] = orjson.dumps({"object": "list", "data": data})
+    return json_response(200, body)
 
 
 async def retrieve_model(request: Request) -> Response:
     """One model, in the client's API's shape; a model is there when the list has it."""
     anthropic = _anthropic_client(request)
     model = request.path[len(_MODEL_PREFIX) :]
-    if model not in await request.app.gateway.router.models():
+    if model not in (await request.app.gateway.router.models()).known:
         raise GatewayError(
             404,
             f"The model `{model[:200]}` does not exist or you do not have access to it.",
@@ -86,7 +91,7 @@ def _anthropic_model(name: str) -> dict[str, object]:
     }
 
 
-def anthropic_page(names: list[str], query: Mapping[str, str]) -> dict[str, object]:
+def anthropic_page(names: Sequence[str], query: Mapping[str, str]) -> dict[str, object]:
     """One page of Anthropic's list of `names` (sorted). The cursors are positions in that
     order: `after_id` pages forward from a name, `before_id` back; either may name a model
     that is no longer listed. `has_more`: more lie beyond the page in its direction."""
@@ -95,13 +100,13 @@ def anthropic_page(names: list[str], query: Mapping[str, str]) -> dict[str, obje
     if after is not None and before is not None:
         raise GatewayError(400, "Use either after_id or before_id, not both.", param="after_id")
     if before is not None:
-        earlier = [n for n in names if n < before]
-        page = earlier[-limit:]
-        has_more = len(earlier) > limit
+        end = bisect_left(names, before)  # names[:end] < before
+        page = names[max(0, end - limit) : end]
+        has_more = end > limit
     else:
-        later = [n for n in names if after is None or n > after]
-        page = later[:limit]
-        has_more = len(later) > limit
+        start = 0 if after is None else bisect_right(names, after)  # names[start:] > after
+        page = names[start : start + limit]
+        has_more = len(names) - start > limit
     return {
         "data": [_anthropic_model(n) for n in page],
         "has_more": has_more,

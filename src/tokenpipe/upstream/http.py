@@ -22,12 +22,16 @@ from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control.pacing import PACE_HEADER
 from tokenpipe.errors import GatewayError
 from tokenpipe.flight import SingleFlight
+from tokenpipe.log_budget import LogBudget
 from tokenpipe.settings import UpstreamSettings
 from tokenpipe.upstream import h1
 from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
 from tokenpipe.upstream.responses_probe import ResponsesProbe, verdict
 
 log = logging.getLogger("tokenpipe.upstream")
+#: The line of a list past MAX_MODELS: the list is asked for each MODELS_TTL, and says the same
+#: each time. Bound: the upstreams' names (config).
+_OVER_MAX_MODELS = LogBudget(log, every=3600.0)
 
 #: Largest non-streamed upstream body read into memory (bytes); larger ones are a 502.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -47,6 +51,12 @@ PROTOCOL_ERROR = "upstream_protocol_error"
 #: Characters of a model id kept from an upstream's /models: a client's bound on a model
 #: name (dialects/openai_schema.py, MAX_MODEL_NAME).
 MAX_MODEL_ID = 256
+#: Model ids kept from one upstream's /models: its first ones, in its order; the entries past
+#: them are ignored (one log line an hour per upstream, `_OVER_MAX_MODELS`). The largest real
+#: lists are far below (OpenRouter ~500, Together ~200, a vLLM or llama.cpp a few); a 4 MiB
+#: answer (MAX_MODELS_BYTES) holds 100,000 short ids: 31 MiB kept, and the gateway's own
+#: GET /v1/models rendered all of them.
+MAX_MODELS = 10_000
 #: The fixed headers of a completion request (the body is always JSON, possibly a stream).
 _ACCEPT_POST = "content-type: application/json\r\naccept: text/event-stream\r\n"
 
@@ -76,13 +86,16 @@ class HttpUpstream:
             raise ValueError(f"upstream '{self.name}': its API key contains a line break")
         self._auth = _auth_headers(settings, key)
         self._heads: dict[str, bytes] = {}
-        self._models: list[str] | None = None
+        # The listed ids (at most MAX_MODELS), one frozenset per change of the list: membership
+        # on each request is a hash (a list's scan of 100,000 ids cost 5 ms a request), and
+        # the object itself says "unchanged" to the caches built from it (router/candidates.py).
+        self._models: frozenset[str] | None = None
         self._models_at = 0.0
         self._models_failed_at = -MODELS_RETRY
         # One /models request at a time, shared by its callers (flight.py); and over it one
         # parse of the list into the model cache, so a burst's callers parse (and log) once.
         self._json_flight: SingleFlight[Any] = SingleFlight()
-        self._models_flight: SingleFlight[list[str] | None] = SingleFlight()
+        self._models_flight: SingleFlight[frozenset[str] | None] = SingleFlight()
         self._responses = ResponsesProbe(self._ask_responses)
 
     @property
@@ -270,21 +283,16 @@ class HttpUpstream:
             return None
         return listed is None or model in listed
 
-    async def models(self) -> list[str]:
-        """The models this upstream serves: configured names and its own /v1/models list."""
-        configured = [m for m in self.settings.models if m != "*"]
-        listed = await self.listed_models() if "*" in self.settings.models else None
-        return sorted(set(configured) | set(listed or ()))
-
-    async def listed_models(self) -> list[str] | None:
-        """The upstream's own /v1/models, cached for MODELS_TTL; None when it cannot say (not
-        asked again for MODELS_RETRY)."""
+    async def listed_models(self) -> frozenset[str] | None:
+        """The upstream's own /v1/models (its first MAX_MODELS ids), cached for MODELS_TTL;
+        None when it cannot say (not asked again for MODELS_RETRY). The same object until
+        the list changes."""
         hit, found = self._cached_models(self.clock.now())
         if hit:
             return found
         return await self._models_flight.do(None, self._fetch_models)
 
-    def _cached_models(self, now: float) -> tuple[bool, list[str] | None]:
+    def _cached_models(self, now: float) -> tuple[bool, frozenset[str] | None]:
         """(True, answer) while the last list is fresh or the last failure recent. Once a
         list is known it stays the answer: past MODELS_TTL it is asked for again in the
         background (one request at a time, and after a failure not before MODELS_RETRY),
@@ -298,7 +306,7 @@ class HttpUpstream:
             return True, models
         return now - self._models_failed_at < MODELS_RETRY, None
 
-    async def _fetch_models(self) -> list[str] | None:
+    async def _fetch_models(self) -> frozenset[str] | None:
         now = self.clock.now()
         data = await self.models_json()
         models = self._learn(data, now)
@@ -308,8 +316,9 @@ class HttpUpstream:
             self._models_failed_at = now
         return models
 
-    def _learn(self, data: Any, now: float) -> list[str] | None:
-        """The model list of a /models answer, kept as of `now`; None if it holds none."""
+    def _learn(self, data: Any, now: float) -> frozenset[str] | None:
+        """The model ids of a /models answer (its first MAX_MODELS), kept as of `now`; None
+        if it holds none. The last set stays when the ids are the same."""
         try:
             listed = data["data"]
         except (KeyError, TypeError):  # not an object, or no "data"
@@ -319,13 +328,25 @@ class HttpUpstream:
         # An id that is not a string (`[1, "b"]`, `[["a"]]`) is skipped: one such id made the
         # whole list a 500 (sorted, in a set), every other upstream's models with it. So is
         # one longer than a client may name (its metric label, its span name).
-        models = [
-            m["id"]
-            for m in listed
-            if isinstance(m, dict) and isinstance(m.get("id"), str) and len(m["id"]) <= MAX_MODEL_ID
-        ]
-        if not models and listed:
+        ids: set[str] = set()
+        for at, m in enumerate(listed):
+            if len(ids) == MAX_MODELS:
+                _OVER_MAX_MODELS.warning(
+                    self.name,
+                    "upstream %s: its /models lists more than %d models: the %d entries "
+                    "after them are ignored",
+                    self.name,
+                    MAX_MODELS,
+                    len(listed) - at,
+                )
+                break
+            name = m.get("id") if isinstance(m, dict) else None
+            if isinstance(name, str) and len(name) <= MAX_MODEL_ID:
+                ids.add(name)
+        if not ids and listed:
             return None
+        old = self._models
+        models = old if old is not None and old == ids else frozenset(ids)
         self._models, self._models_at = models, now
         return models
 
