@@ -15,6 +15,7 @@ from tokenpipe import usage
 from tokenpipe.clock import ManualClock
 from tokenpipe.context import tokens
 from tokenpipe.context.lookup import ANNOUNCED, MAX_MODELS, ModelLookup
+from tokenpipe.context.windows import windows_of
 from tokenpipe.dialects import openai_schema
 from tokenpipe.dialects.anthropic_schema import CountTokensRequest, MessagesRequest
 from tokenpipe.dialects.chat_request import chat_request
@@ -26,6 +27,7 @@ from tokenpipe.log_budget import LogBudget
 from tokenpipe.observe import metrics
 from tokenpipe.observe.tracing import RequestTrace
 from tokenpipe.router.candidates import Router
+from tokenpipe.upstream.http import MAX_MODELS as MAX_LISTED
 
 _MESSAGES = [{"role": "user", "content": "hi"}]
 BODIES: list[tuple[type[Any], dict[str, Any]]] = [
@@ -142,6 +144,13 @@ def test_an_upstreams_odd_statuses_fold_into_their_class_as_label_values() -> No
     }
     assert seen == {x for x in metrics.STATUSES if x[0] in "45"} | {"4xx", "5xx"}
     assert metrics.status_label("200") == "200" and metrics.status_label("x") == metrics.OTHER
+
+
+def test_the_windows_of_a_long_model_list_are_read_as_far_as_its_models() -> None:
+    """A window was kept for every entry of a /models answer (100,000 in its 4 MiB)."""
+    entries = [{"id": f"m{i}", "max_model_len": 8192} for i in range(MAX_LISTED + 5)]
+    found = windows_of({"data": entries})
+    assert len(found) == MAX_LISTED and f"m{MAX_LISTED - 1}" in found
 
 
 def test_an_unknown_responses_parameter_is_named_bounded() -> None:

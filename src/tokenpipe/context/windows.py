@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.flight import SingleFlight
-from tokenpipe.upstream.http import MODELS_RETRY, HttpUpstream
+from tokenpipe.upstream.http import MAX_MODELS, MODELS_RETRY, HttpUpstream
 
 log = logging.getLogger("tokenpipe.context")
 
@@ -92,10 +92,11 @@ class WindowDiscovery:
 
 
 def windows_of(data: Any) -> dict[str, int]:
-    """The windows a /models answer names, by model."""
+    """The windows a /models answer names, by model: of its first MAX_MODELS entries, as the
+    upstream's list of models is read (the rest are not served through it either)."""
     found: dict[str, int] = {}
     entries = data.get("data") if isinstance(data, dict) else None
-    for entry in entries if isinstance(entries, list) else ():
+    for entry in entries[:MAX_MODELS] if isinstance(entries, list) else ():
         if isinstance(entry, dict) and isinstance(entry.get("id"), str):
             w = window_from_entry(entry)
             if w:
