@@ -423,13 +423,14 @@ def test_estimator_learns_the_upstreams_token_ratio_from_usage(
 
 def test_summary_longer_than_asked_for_falls_back_to_truncation(gateway: procs.Service) -> None:
     """An old turn carries a sim directive, so the summarising call (which reads that turn)
-    answers with 300 words, far over summary_max_tokens; the request is truncated instead."""
+    answers with 300 words, far over summary_max_tokens: a failed summary (an upstream that
+    ignored max_tokens; not cached), and the request is truncated instead."""
     msgs = conversation(40, tag="v")
     msgs[1] = {"role": "user", "content": msgs[1]["content"] + " [[sim output_tokens=300]]"}
     r, _ = chat(gateway, "summarized", msgs, max_tokens=30)
     assert r.status_code == 200, r.text
     report = r.headers["x-tokenpipe-context"]
-    assert report.startswith("policy=truncate;") and report.endswith("summary=too-long")
+    assert report.startswith("policy=truncate;") and report.endswith("summary=failed")
 
 
 def test_text_completion_max_tokens_is_lowered_or_rejected(

@@ -184,7 +184,7 @@ async def test_model_ids_that_are_not_strings_are_skipped_not_a_500() -> None:
     u = HttpUpstream(UpstreamSettings(name="u", url="http://127.0.0.1:9/v1"))
     listed = [{"id": 1}, {"id": "b"}, {"id": ["a"]}, "c", {"id": {"x": 1}}, {"id": "a"}]
     listed.append({"id": "x" * 257})  # longer than a client may name: not a metric label
-    assert u._learn({"data": listed}, 0.0) == ["b", "a"]
+    assert u._learn({"data": listed}, 0.0) == {"b", "a"}
     assert u._learn({"data": [{"id": 1}]}, 0.0) is None  # no model list at all
     assert u._learn({"data": {"id": "a"}}, 0.0) is None
     await u.close()

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import inspect
 import socket
+import types
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -27,7 +28,7 @@ import pytest
 from tests import procs
 from tokenpipe import gateway
 from tokenpipe.front.app import Front
-from tokenpipe.settings import Settings, upstream_from_url
+from tokenpipe.settings import ContextModel, ContextSettings, Settings, upstream_from_url
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +80,14 @@ async def _answer_all(session: aiohttp.ClientSession, base: str, api: str) -> No
 
 
 @contextlib.asynccontextmanager
-async def _serving(upstream: str) -> AsyncIterator[tuple[Front, str, aiohttp.ClientSession]]:
+async def _serving(
+    upstream: str, context: ContextSettings | None = None
+) -> AsyncIterator[tuple[Front, str, aiohttp.ClientSession]]:
     """A gateway in this process in front of `upstream`, its base URL, and a client session
     with one connection: its requests are answered in order (see _settled)."""
     settings = Settings(upstreams=[upstream_from_url(upstream, 0)])
+    if context is not None:
+        settings.context = context
     settings.server.port = 0
     async with (
         gateway.running(settings) as (front, _, port),
@@ -123,6 +128,8 @@ def _requests_garbage() -> list[str]:
             found.append(f"Task {name}")
         elif name := _ours(o):
             found.append(f"coroutine {name}")
+        elif isinstance(o, types.FrameType) and "/tokenpipe/" in o.f_code.co_filename:
+            found.append(f"frame {o.f_code.co_qualname}")  # a traceback's
     return found
 
 
@@ -190,11 +197,15 @@ async def test_a_stream_the_client_leaves_leaves_no_cyclic_garbage(
 
 
 async def _failing(
-    upstream: str, body: dict[str, Any], times: int, headers: dict[str, str] | None = None
+    upstream: str,
+    body: dict[str, Any],
+    times: int,
+    headers: dict[str, str] | None = None,
+    context: ContextSettings | None = None,
 ) -> list[str]:
     """`body` sent once (warm), then `times` more with the collector keeping all: each must
     fail (an error status, or a stream that ends with an error event). The garbage."""
-    async with _serving(upstream) as (_, base, session):
+    async with _serving(upstream, context) as (_, base, session):
 
         async def fail() -> None:
             async with session.post(base + _REQUESTS[0][0], json=body, headers=headers) as r:
@@ -234,3 +245,39 @@ async def test_requests_to_an_upstream_that_is_down_leave_no_cyclic_garbage() ->
     deadline = {"x-tokenpipe-deadline-seconds": "0.3"}
     garbage = await _failing(down, {**_CHAT, "stream": True}, 6, deadline)
     assert garbage == [], sorted(Counter(garbage).items())
+
+
+async def test_a_failed_summary_keeps_none_of_its_frames(responses_sim: procs.Service) -> None:
+    """A summary call that fails (here: far past its max_tokens, as the sim's directive makes
+    it) raised through the summary cache's shared future, which held the exception, whose
+    traceback held the frames that held the future and the answer they read (up to 1 MiB,
+    twice): a cycle a failure, left to the collector. With the collector off, none of the
+    summary call's frames may outlive its request."""
+    context = ContextSettings(
+        summary_max_tokens=20,
+        models=[ContextModel(name="sim-model", window=600, policy="summarize")],
+    )
+    history = []
+    for t in range(40):
+        words = " ".join(f"q{t}w{i}" for i in range(18))
+        history.append({"role": "user", "content": f"[[sim output_tokens=400]] {words}"})
+        history.append({"role": "assistant", "content": words})
+    history.append({"role": "user", "content": "and the last question"})
+    body = {**_CHAT, "messages": history}
+    async with _serving(responses_sim.url + "/v1", context) as (_, base, session):
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                async with session.post(base + _REQUESTS[0][0], json=body) as r:
+                    report = r.headers["x-tokenpipe-context"]
+                    assert r.status == 200 and report.endswith("summary=failed"), report
+            await _settled(session, base)
+            frames = [
+                o.f_code.co_qualname
+                for o in gc.get_objects()
+                if isinstance(o, types.FrameType) and "/tokenpipe/context/" in o.f_code.co_filename
+            ]
+        finally:
+            gc.enable()
+    assert frames == []

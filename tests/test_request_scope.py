@@ -204,3 +204,30 @@ async def test_a_summary_call_falls_over_to_the_next_upstream_on_a_5xx(tmp_path:
     # Two retries: the summary call's and the request's.
     assert m['tokenpipe_retries_total{outcome="retried",reason="status_5xx"}'] == 2
     assert m['tokenpipe_context_summaries_total{outcome="new"}'] == 1
+
+
+async def test_a_summary_past_its_max_tokens_fails_and_is_not_kept(tmp_path: Path) -> None:
+    """An upstream that ignores the summary call's max_tokens (here the sim, told by a
+    directive in the history) wrote a summary far past it: it was cached (up to 1 MiB
+    each, 1,024 of them) and reused, though every use was refused as too long. Now it is
+    a failed summary: the request is truncated, and the next one asks again."""
+    history = _history()
+    for m in history[:66:2]:  # old enough to be summarised, whatever part of them is
+        m["content"] = "[[sim output_tokens=400]] " + m["content"]
+    with procs.sim("--ttft-ms", "1", "--itl-ms", "0") as sim:
+        upstream = {"name": "up", "url": sim.url + "/v1", "models": [SUMMARIZED]}
+        cfg = {"upstreams": [upstream], "context": CONTEXT}
+        with procs.gateway("--config", _config(tmp_path, cfg)) as gw:
+            reports = []
+            async with aiohttp.ClientSession() as s:
+                for _ in range(2):
+                    body = {"model": SUMMARIZED, "max_tokens": 5, "messages": history}
+                    async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200, await r.text()
+                        reports.append(r.headers["x-tokenpipe-context"])
+            m = await _metrics(gw)
+            summaries = _summaries(await _records(sim))
+    assert all(x.endswith("summary=failed") for x in reports), reports
+    assert len(summaries) == 2  # asked again: nothing was kept
+    assert all(x["tokens"] == 400 for x in summaries)  # the directive went past max_tokens
+    assert m['tokenpipe_context_summaries_total{outcome="failed"}'] == 2

@@ -34,6 +34,12 @@ log = logging.getLogger("tokenpipe.context")
 
 #: Largest summary response read (bytes); a larger one is treated as a failed summary.
 MAX_SUMMARY_BYTES = 1 << 20
+#: Characters a summary may hold per token of `summary_max_tokens`: a token is ~4 characters
+#: of English, rarely more than 10 in any script. A longer summary is an upstream that did
+#: not honour max_tokens: it fails (the request is truncated instead) and is not cached. A
+#: cache of 1,024 summaries of up to 1 MiB each (MAX_SUMMARY_BYTES) grew the gateway by
+#: ~1 GiB, every such summary then refused as too long for the window anyway.
+MAX_CHARS_PER_TOKEN = 16
 
 
 class Summarizer:
@@ -82,6 +88,10 @@ class Summarizer:
             metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
             return None, "timeout"
         except (GatewayError, UpstreamError, ValueError) as e:
+            # Absorbed here: its traceback goes. It held this request's frames, which hold the
+            # cache's shared future (SummaryCache.once), which holds the exception: a cycle
+            # that kept each failed summary, and the answer it read, for the collector.
+            e.__traceback__ = None
             log.warning("context: summary by %s failed: %s", summarizer, e)
             metrics.CONTEXT_SUMMARIES.labels("failed").inc()
             return None, "failed"
@@ -181,4 +191,6 @@ class Summarizer:
             ticket.finish(usage_mod.clean(usage), status)
         if not isinstance(text, str) or not text.strip():
             raise ValueError("summarizer wrote an empty summary")
+        if len(text) > MAX_CHARS_PER_TOKEN * max_tokens:
+            raise ValueError(f"summarizer wrote {len(text)} characters for max_tokens {max_tokens}")
         return text.strip()

@@ -102,6 +102,10 @@ class SummaryCache:
             elif not fut.done():
                 fut.set_exception(e)
                 fut.exception()  # mark retrieved: waiters (if any) get it via shield
+            # The future keeps the exception's traceback, which holds this frame: with `fut`
+            # still in it, a cycle that held each failed summary's frames (and the answer
+            # they read) until the collector ran (tests/test_request_garbage.py).
+            del fut
             raise
         finally:
             self._pending.pop(key, None)

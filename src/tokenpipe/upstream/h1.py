@@ -213,7 +213,13 @@ class Pool:
                     self.private = is_private(addr[0])
                     return conn
                 self.resolver.forget()  # none of them took it: look again next time
-                raise error or OSError(f"no address for {self.host}")
+                try:
+                    raise error or OSError(f"no address for {self.host}")
+                finally:
+                    # Its traceback holds this frame: kept in `error`, the exception and
+                    # the frame were a cycle, freed only by the collector (each refused
+                    # connect: tests/test_request_garbage.py).
+                    error = None
         except TimeoutError:  # (an OSError too: before the clause below)
             raise UpstreamTimeout(f"connecting to {self.host_header} timed out") from None
         except OSError as e:  # refused, DNS (gaierror), TLS (SSLError), ...
