@@ -34,9 +34,19 @@ from tokenpipe.upstream.errors import UpstreamError
 
 log = logging.getLogger("tokenpipe.grpc")
 
-#: Requests open at once on one ChatStream (FlowControl for a request not yet sent counts too).
-#: Past it, the new request gets an Error with status 429 and the stream goes on.
+#: Requests open at once on one ChatStream. Past it, the new request gets an Error with status
+#: 429 and the stream goes on.
 MAX_OPEN_REQUESTS = 256
+#: Ids on one ChatStream with flow state but no running request: a FlowControl sent ahead of its
+#: ChatRequest, or one that arrived after its request ended (a grant racing the Done). Past it,
+#: the least recently touched such id's state is dropped (its request, if it comes, starts with
+#: no grant and no pace); nothing is refused. Unbounded but for MAX_OPEN_REQUESTS, ~1.2 KiB an id
+#: stayed until the stream ended, and late grants used up the stream's open requests.
+MAX_PENDING_FLOWS = 64
+#: HTTP/2 streams (calls) open at once on one client connection, gRPC's usual bound: a grpc
+#: client queues calls past it until one ends; a stream a client opens past it anyway is reset.
+#: Unbounded, one connection's 1,000 streams each kept flow state for 256 ids (310 MiB).
+MAX_CONCURRENT_STREAMS = 100
 #: Characters of a client's request_id (its own name for a request on the stream).
 MAX_REQUEST_ID = 256
 #: Characters of an upstream error's message, and of its type and code, passed to a client.
@@ -46,12 +56,12 @@ CLIENT_CLOSED = 499
 
 
 class _Request:
-    """Flow state of one request id on a stream: may exist before its ChatRequest arrives."""
+    """A running request on a stream: its flow gate and its task."""
 
     __slots__ = ("changed", "gate", "task")
 
-    def __init__(self) -> None:
-        self.gate = FlowGate()
+    def __init__(self, gate: FlowGate) -> None:
+        self.gate = gate
         self.changed = asyncio.Event()  # set on every FlowControl for this request
         self.task: asyncio.Task[None] | None = None
 
@@ -91,6 +101,8 @@ class _Session:
         #: The call's metadata: its W3C trace context is the parent of each request's span.
         self.metadata = metadata or {}
         self.requests: dict[str, _Request] = {}
+        #: Flow state of ids with no running request, least recently touched first.
+        self.pending: dict[str, FlowGate] = {}
         self.write_lock = asyncio.Lock()
 
     async def send(self, message: chat_pb2.ServerMessage) -> None:
@@ -114,7 +126,9 @@ class _Session:
                 elif kind == "flow":
                     await self._flow(msg.flow)
                 elif kind == "cancel":
-                    state = self.requests.get(msg.cancel.request_id)
+                    rid = msg.cancel.request_id
+                    self.pending.pop(rid, None)  # a Cancel takes back a FlowControl sent ahead
+                    state = self.requests.get(rid)
                     if state is not None and state.task is not None:
                         state.task.cancel()
             # The client half-closed: the requests it sent still finish.
@@ -127,17 +141,21 @@ class _Session:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _state(self, request_id: str) -> _Request | None:
-        state = self.requests.get(request_id)
-        if state is None:
-            if len(self.requests) >= MAX_OPEN_REQUESTS:
-                return None
-            state = self.requests[request_id] = _Request()
-        return state
+    def _pending_gate(self, request_id: str) -> FlowGate:
+        """The flow gate of an id with no running request, now the most recently touched; the
+        least recently touched one is dropped past MAX_PENDING_FLOWS."""
+        gate = self.pending.pop(request_id, None)
+        if gate is None:
+            gate = FlowGate()
+            if len(self.pending) >= MAX_PENDING_FLOWS:
+                del self.pending[next(iter(self.pending))]
+        self.pending[request_id] = gate
+        return gate
 
     async def _long_id(self, rid: str) -> bool:
         """An id past MAX_REQUEST_ID is refused (its Error names it cut to the bound): up to
-        MAX_OPEN_REQUESTS states are kept by id, and a 4 MB id each was 1 GB a stream."""
+        MAX_OPEN_REQUESTS + MAX_PENDING_FLOWS states are kept by id, and a 4 MB id each was 1 GB
+        a stream."""
         if len(rid) <= MAX_REQUEST_ID:
             return False
         why = f"request_id is longer than {MAX_REQUEST_ID} characters."
@@ -147,25 +165,20 @@ class _Session:
     async def _flow(self, flow: chat_pb2.FlowControl) -> None:
         if await self._long_id(flow.request_id):
             return
-        state = self._state(flow.request_id)
-        if state is None:
-            await self.error(flow.request_id, _too_many())
-            return
+        state = self.requests.get(flow.request_id)
+        gate = state.gate if state is not None else self._pending_gate(flow.request_id)
         if flow.HasField("credit_tokens"):
-            state.gate.grant(flow.credit_tokens)
+            gate.grant(flow.credit_tokens)
         if flow.HasField("max_tokens_per_second"):
-            state.gate.set_rate(flow.max_tokens_per_second)
-        state.changed.set()
+            gate.set_rate(flow.max_tokens_per_second)
+        if state is not None:
+            state.changed.set()
 
     async def _start(self, req: chat_pb2.ChatRequest) -> None:
         rid = req.request_id
         if await self._long_id(rid):
             return
-        state = self._state(rid)
-        if state is None:
-            await self.error(rid, _too_many())
-            return
-        if state.task is not None:
+        if rid in self.requests:
             await self.error(
                 rid,
                 GatewayError(
@@ -175,8 +188,19 @@ class _Session:
                 ),
             )
             return
+        if len(self.requests) >= MAX_OPEN_REQUESTS:
+            await self.error(rid, _too_many())
+            return
+        # A FlowControl sent ahead applies from the start; its state moves to the request.
+        gate = self.pending.pop(rid, None)
+        state = self.requests[rid] = _Request(gate if gate is not None else FlowGate())
         state.task = asyncio.create_task(self._serve(rid, req, state))
-        state.task.add_done_callback(lambda _: self.requests.pop(rid, None))
+        # Removed when the request ends (done, failed or cancelled).
+        state.task.add_done_callback(lambda _: self._ended(rid, state))
+
+    def _ended(self, rid: str, state: _Request) -> None:
+        if self.requests.get(rid) is state:
+            del self.requests[rid]
 
     async def _serve(self, rid: str, req: chat_pb2.ChatRequest, state: _Request) -> None:
         # This request's own task: its log lines carry the id its upstream requests are sent
@@ -352,6 +376,7 @@ async def start_server(gateway: Gateway, host: str, port: int) -> grpc.aio.Serve
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
             ("grpc.max_send_message_length", 16 * 1024 * 1024),
             # Idle streams are pinged so that dead clients are noticed and their requests freed.
             ("grpc.keepalive_time_ms", 60_000),
