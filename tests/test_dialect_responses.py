@@ -12,12 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.responses_events import check_events, check_response, parse, text_of
+from tokenpipe import sse
 from tokenpipe.control import cost
 from tokenpipe.dialects import Piece
 from tokenpipe.dialects.openai_schema import parse as parse_request
 from tokenpipe.dialects.responses import ResponsesDialect
 from tokenpipe.dialects.responses_chat import ResponsesViaChat
-from tokenpipe.dialects.responses_output import OutputItem
+from tokenpipe.dialects.responses_output import HELD_MAX_BYTES, ITEM_BYTES, OutputItem
 from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
 from tokenpipe.errors import GatewayError
 
@@ -126,6 +127,51 @@ def test_the_gateways_error_before_any_output_still_starts_the_response() -> Non
     events = parse(d.error_event(GatewayError(504, "too slow", code="upstream_timeout")))
     check_events(events)
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+
+
+_BIG = "a" * 65536
+
+
+def _call(index: int, args: str = "") -> bytes:
+    return _chunk(
+        {"tool_calls": [{"index": index, "id": "c", "function": {"name": "f", "arguments": args}}]}
+    )
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [_chunk({"content": _BIG})] * 70,
+        [_chunk({"reasoning_content": _BIG})] * 70,
+        [_call(0, _BIG)] * 70,
+        [_call(i) for i in range(HELD_MAX_BYTES // ITEM_BYTES + 10)],  # items, no text
+        # The read that passes the bound also opens the message: none of its events go out.
+        [_chunk({"reasoning_content": _BIG})] * 63 + [_chunk({"content": _BIG})],
+        [_chunk({"content": '"\n\x01' * 16384})] * 30,  # 1.5M characters, 4.7 MiB as JSON
+    ],
+    ids=["text", "reasoning", "arguments", "items", "opening", "escaped"],
+)
+def test_a_translated_stream_ends_at_its_bound_with_the_error_next_in_sequence(
+    chunks: list[bytes],
+) -> None:
+    """What a translated stream holds for its last events (every item's text, arguments and
+    reasoning, and each item) is bounded: past HELD_MAX_BYTES the read is a protocol error
+    (the relay then writes the error event), and the error event's number follows the last
+    event the client got."""
+    d = ResponsesViaChat(REQUEST)
+    reader = d.for_stream()
+    out = []
+    with pytest.raises(sse.SSEProtocolError, match=f"passed {HELD_MAX_BYTES} bytes"):
+        for c in [*chunks, _chunk({}, "stop"), b"[DONE]"]:
+            piece = reader.read(c, None, None, False)
+            if piece is not None and not piece.hidden:
+                out.append(piece.event())
+    events = parse(b"".join(out) + d.error_event(GatewayError(502, "cut", code="x")))
+    check_events(events, schema_too=False)  # (the SDK's types: faster on 4 MiB)
+    assert events[-1]["type"] == "error"
+    assert events[-1]["sequence_number"] == events[-2]["sequence_number"] + 1
+    held = sum(len(orjson.dumps(e.get("delta", ""))) - 2 for e in events)
+    assert held <= HELD_MAX_BYTES
 
 
 def test_a_chat_completion_becomes_a_response() -> None:
@@ -375,17 +421,21 @@ def test_any_chat_stream_translates_without_a_crash(chunks: list[dict[str, Any]]
 
 
 def test_an_output_items_text_is_its_deltas_in_order_however_many() -> None:
-    """A translated Response's item keeps its deltas in joined runs (responses_output.py):
-    read mid-stream, at its end, twice, or set whole, the text is the deltas in order."""
+    """A translated Response's item keeps its deltas as one JSON string (responses_output.py):
+    read mid-stream, at its end, twice, or set whole, the text is the deltas in order, and its
+    events carry it whole, escapes and all; its size counts the bytes it holds."""
     item = OutputItem("message", 0, "msg_1")
-    deltas = [f"{i}," for i in range(5000)]
+    deltas = [f'{i},"\\\n\x01é😀' if i % 7 == 0 else f"{i}," for i in range(5000)]
     for d in deltas[:2500]:
         item.extend(d)
     assert item.text == "".join(deltas[:2500])  # read mid-stream
     for d in deltas[2500:]:
         item.extend(d)
-    assert item.text == item.text == "".join(deltas)
-    assert item.part()["text"] == "".join(deltas)
+    whole = "".join(deltas)
+    assert item.text == item.text == whole
+    assert orjson.loads(orjson.dumps(item.part()))["text"] == whole
+    assert item.size() == len(orjson.dumps(whole)) + ITEM_BYTES
     item.text = "whole"
     item.extend("!")
-    assert item.text == "whole!" and item.item("completed")["content"][0]["text"] == "whole!"
+    got = orjson.loads(orjson.dumps(item.item("completed")))
+    assert item.text == "whole!" and got["content"][0]["text"] == "whole!"

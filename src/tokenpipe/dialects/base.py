@@ -164,10 +164,15 @@ class Dialect:
 
     # -- what the client gets besides the relayed events --------------------------------------
 
+    #: A non-streamed 200 answer goes to the client as the upstream sent it (`answer` returns
+    #: `body`), so the front reads only its `usage` of it (front/answer.py). A translating
+    #: dialect sets False: its answers are parsed whole, within a smaller bound.
+    answers_as_sent = True
+
     def answer(self, body: bytes, obj: dict[str, Any]) -> bytes:
         """The client's body for a non-streamed 200 answer whose JSON is `obj` (`body` as the
         upstream sent it): passed through unchanged by a native dialect; a translating one
-        writes the client's API here."""
+        (`answers_as_sent` False) writes the client's API here."""
         return body
 
     def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:

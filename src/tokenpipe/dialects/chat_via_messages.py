@@ -62,6 +62,8 @@ def finish_reason(stop: Any) -> str | None:
 class ChatViaMessages(Dialect):
     """A chat request's dialect on an Anthropic upstream (see the module docstring)."""
 
+    answers_as_sent = False
+
     name = "chat"
     api = "anthropic"
     path = "/messages"

@@ -60,6 +60,8 @@ def messages_usage(usage: Any) -> dict[str, int]:
 class MessagesViaChat(Dialect):
     """A Messages request's dialect on an OpenAI chat upstream (see the module docstring)."""
 
+    answers_as_sent = False
+
     name = "messages"
     api = "openai"
     path = "/chat/completions"

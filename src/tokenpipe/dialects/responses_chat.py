@@ -30,6 +30,7 @@ from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.openai import CHAT, ChatDialect
 from tokenpipe.dialects.responses import encode_event, error_payload, render_text_delta
 from tokenpipe.dialects.responses_output import (
+    HELD_MAX_BYTES,
     INCOMPLETE,
     OutputItem,
     output_of,
@@ -41,6 +42,7 @@ from tokenpipe.errors import GatewayError
 
 class ResponsesViaChat(ChatDialect):
     name = "responses"
+    answers_as_sent = False
 
     def __init__(self, request: dict[str, Any]) -> None:
         #: The client's Responses request: what the Response object echoes.
@@ -101,6 +103,7 @@ class _Translation(Dialect):
         self.usage: dict[str, Any] | None = None
         self.model: str | None = None
         self.closed = False  # the items' done events were written
+        self.held = 0  # bytes the items hold (OutputItem.size), at most HELD_MAX_BYTES
 
     def add(self, out: list[bytes], obj: dict[str, Any]) -> dict[str, Any]:
         """Appends the event `obj` with the next sequence number (after the response's two
@@ -117,6 +120,16 @@ class _Translation(Dialect):
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
     ) -> Piece | None:
+        seq = self.seq
+        try:
+            return self._read(data)
+        except Exception:
+            # The events of this read are not sent: the error event the relay writes next
+            # takes the number after the last one the client got.
+            self.seq = seq
+            raise
+
+    def _read(self, data: bytes) -> Piece | None:
         if data == sse.DONE:
             return self._end()
         try:
@@ -182,8 +195,20 @@ class _Translation(Dialect):
     def render(self, template: Any, kind: str, text: str) -> bytes:
         return render_text_delta(template, text)
 
+    def _hold(self, size: int) -> None:
+        """Counts `size` more bytes held for the end's events. Past HELD_MAX_BYTES the stream
+        ends: a protocol error, so the client gets the events before this read, then the
+        `error` event, and never a `response.completed` without the rest of its output."""
+        self.held += size
+        if self.held > HELD_MAX_BYTES:
+            raise sse.SSEProtocolError(
+                f"the answer passed {HELD_MAX_BYTES} bytes, the most a Responses stream "
+                "translated from chat holds for its last events"
+            )
+
     def _open(self, out: list[bytes], kind: str, prefix: str) -> OutputItem:
         item = OutputItem(kind, len(self.items), prefix + uuid.uuid4().hex)
+        self._hold(item.size())
         self.items.append(item)
         added = {"type": "response.output_item.added", "output_index": item.index}
         self.add(out, {**added, "item": item.item("in_progress")})
@@ -198,7 +223,7 @@ class _Translation(Dialect):
     def _text(self, out: list[bytes], text: str) -> dict[str, Any]:
         if self.message is None:
             self.message = self._open(out, "message", "msg_")
-        self.message.extend(text)
+        self._hold(self.message.extend(text))
         return self.add(
             out,
             {
@@ -212,7 +237,7 @@ class _Translation(Dialect):
     def _reasoning(self, out: list[bytes], text: str) -> None:
         if self.reasoning is None:
             self.reasoning = self._open(out, "reasoning", "rs_")
-        self.reasoning.extend(text)
+        self._hold(self.reasoning.extend(text))
         event = {"type": "response.reasoning_text.delta", **self._where(self.reasoning)}
         self.add(out, {**event, "delta": text})
 
@@ -226,13 +251,14 @@ class _Translation(Dialect):
             item = OutputItem("function_call", len(self.items), "fc_" + uuid.uuid4().hex)
             item.call_id = str(call.get("id") or "call_" + uuid.uuid4().hex)
             item.name = str(function.get("name") or "")
+            self._hold(item.size())
             self.items.append(item)
             self.calls[key] = item
             added = {"type": "response.output_item.added", "output_index": item.index}
             self.add(out, {**added, "item": item.item("in_progress")})
         args = function.get("arguments")
         if isinstance(args, str) and args:
-            item.extend(args)
+            self._hold(item.extend(args))
             self.add(
                 out,
                 {
@@ -262,7 +288,7 @@ class _Translation(Dialect):
                         "item_id": item.id,
                         "output_index": item.index,
                         "name": item.name,
-                        "arguments": item.text,
+                        "arguments": item.value(),
                     },
                 )
             else:
@@ -270,7 +296,7 @@ class _Translation(Dialect):
                 extra: dict[str, Any] = {"logprobs": []}
                 if item.kind == "reasoning":
                     done, extra = "response.reasoning_text.done", {}
-                self.add(out, {"type": done, **where, "text": item.text, **extra})
+                self.add(out, {"type": done, **where, "text": item.value(), **extra})
                 self.add(out, {"type": "response.content_part.done", **where, "part": item.part()})
             done_item = {"type": "response.output_item.done", "output_index": item.index}
             self.add(out, {**done_item, "item": item.item(status)})

@@ -8,6 +8,8 @@ import time
 import uuid
 from typing import Any
 
+import orjson
+
 from tokenpipe.usage import count
 
 #: Chat finish reasons that make a Response `incomplete`, and the reason it gives.
@@ -39,55 +41,71 @@ def _detail(usage: dict[str, Any], group: str, name: str) -> int:
     return count(details.get(name)) if isinstance(details, dict) else 0
 
 
-#: Deltas an output item keeps apart before it joins them into one run of text.
-_RUN = 1024
+#: Bytes of output a translated Responses stream holds for its last events (the items'
+#: `*.done` events and `response.completed` each repeat the whole output): its items' text,
+#: arguments and reasoning as JSON, their names and call ids, and ITEM_BYTES an item. The
+#: bound of one SSE event the gateway reads (sse.SSEDecoder: 4 MiB), so the same as a native
+#: Responses stream's, whose `response.completed` carries the whole output in one event.
+#: Past it the stream ends with an `error` event (responses_chat.py). Unbounded, 48 MiB of
+#: text held 368 MiB of the gateway a stream.
+HELD_MAX_BYTES = 4 * 1024 * 1024
+#: What an output item costs besides its text: the object, its id, its JSON buffer, its
+#: place in the stream's lists (measured: ~360 bytes; an upstream may open one per delta).
+ITEM_BYTES = 512
 
 
 class OutputItem:
     """One output item: a message, a function call or reasoning.
 
-    Its text (or arguments, or reasoning) comes in deltas, kept as runs of up to _RUN
-    deltas joined once each, and joined whole when read (at the item's end). Added to a
+    Its text (or arguments, or reasoning) comes in deltas, kept as one JSON string (escaped
+    UTF-8, quotes included) that each delta extends: one object whatever the deltas, its size
+    the bytes the end's events copy, which orjson writes as they are (`value`). Added to a
     str attribute one by one, it was copied whole by every delta: a 2M-character answer in
     4-character deltas cost 91 s of CPU (benchmarks/hostile_cost.py)."""
 
-    __slots__ = ("_runs", "_tail", "call_id", "id", "index", "kind", "name")
+    __slots__ = ("_json", "call_id", "id", "index", "kind", "name")
 
     def __init__(self, kind: str, index: int, item_id: str) -> None:
         self.kind = kind  # message | function_call | reasoning
         self.index = index
         self.id = item_id
-        self._runs: list[str] = []  # the text so far: joined runs of deltas, then `_tail`
-        self._tail: list[str] = []
+        self._json: bytes | bytearray = b'""'  # the text so far, as a JSON string
         self.call_id = ""
         self.name = ""
 
-    def extend(self, delta: str) -> None:
-        tail = self._tail
-        tail.append(delta)
-        if len(tail) >= _RUN:
-            self._runs.append("".join(tail))
-            tail.clear()
+    def extend(self, delta: str) -> int:
+        """Appends `delta`; returns the bytes it added."""
+        buf = self._json
+        if not isinstance(buf, bytearray):  # set whole (`text`)
+            buf = self._json = bytearray(buf)
+        quoted = orjson.dumps(delta)
+        del buf[-1]  # the closing quote: the delta's own ends the string again
+        buf += quoted[1:]
+        return len(quoted) - 2
+
+    def size(self) -> int:
+        """The bytes it holds: its JSON text, its name, its call id and ITEM_BYTES."""
+        return ITEM_BYTES + len(self._json) + len(self.name.encode()) + len(self.call_id.encode())
+
+    def value(self) -> orjson.Fragment:
+        """The text as JSON, which orjson writes as it is (not encoded again per event)."""
+        buf = self._json
+        return orjson.Fragment(buf if type(buf) is bytes else bytes(buf))
 
     @property
     def text(self) -> str:
         """The text, arguments or reasoning so far."""
-        runs = self._runs
-        if self._tail:
-            runs.append("".join(self._tail))
-            self._tail.clear()
-        if len(runs) > 1:
-            runs[:] = ["".join(runs)]
-        return runs[0] if runs else ""
+        text: str = orjson.loads(self._json)
+        return text
 
     @text.setter
     def text(self, value: str) -> None:
-        self._runs, self._tail = [value], []
+        self._json = orjson.dumps(value)
 
     def part(self) -> dict[str, Any]:
         if self.kind == "reasoning":
-            return {"type": "reasoning_text", "text": self.text}
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+            return {"type": "reasoning_text", "text": self.value()}
+        return {"type": "output_text", "text": self.value(), "annotations": [], "logprobs": []}
 
     def item(self, status: str) -> dict[str, Any]:
         if self.kind == "function_call":
@@ -97,7 +115,7 @@ class OutputItem:
                 "status": status,
                 "call_id": self.call_id,
                 "name": self.name,
-                "arguments": self.text,
+                "arguments": self.value(),
             }
         if self.kind == "reasoning":
             content = [self.part()] if status != "in_progress" else []
