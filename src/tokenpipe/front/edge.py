@@ -62,6 +62,8 @@ async def arrive(request: Request, *, x_api_key: bool = False) -> Arrival:
     scope = gw.scope(headers)
     server = gw.settings.server
     body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
+    # Charged until the handler ends (front/http.py dispatch gives it back).
+    request.held = request.app.bodies.take(body)
     return Arrival(started, gw, rid, key, scope, body)
 
 
