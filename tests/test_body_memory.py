@@ -1,4 +1,4 @@
-"""The memory request bodies hold while their requests last, bounded (front/held.py): a body
+"""The memory request bodies hold while their requests last, bounded (control/bodies.py): a body
 is charged an estimate when it arrives (4 bytes a byte, 128 a JSON object or array) and the
 sum is bounded by `server.max_body_memory_bytes`; past it a new request gets 503
 `server_overloaded` with Retry-After. Before, nothing bounded it: 8 bodies of 4 MiB of empty
@@ -13,8 +13,9 @@ import aiohttp
 import orjson
 
 from tests import procs
+from tests.test_grpc_stream import Stream, _grpc_gateway, _request
+from tokenpipe.control.bodies import PER_BYTE, PER_CONTAINER, BodyMemory, estimate
 from tokenpipe.errors import GatewayError
-from tokenpipe.front.held import PER_BYTE, PER_CONTAINER, BodyMemory, estimate
 
 
 def test_a_body_is_charged_by_its_bytes_and_its_brackets() -> None:
@@ -24,10 +25,9 @@ def test_a_body_is_charged_by_its_bytes_and_its_brackets() -> None:
 
 def test_past_the_limit_a_body_is_refused_and_a_body_alone_never() -> None:
     memory = BodyMemory(limit=1_000)
-    big = b"x" * 5_000  # more than the limit alone: served, or it never would be
-    cost = memory.take(big)
+    cost = memory.take(5_000)  # more than the limit alone: served, or it never would be
     try:
-        memory.take(b"y")
+        memory.take(1)
     except GatewayError as e:
         assert e.status == 503 and e.code == "server_overloaded"
         assert e.headers["Retry-After"] == "1"
@@ -35,8 +35,7 @@ def test_past_the_limit_a_body_is_refused_and_a_body_alone_never() -> None:
         raise AssertionError("a second body past the limit was taken")
     memory.give(cost)
     assert memory.held == 0
-    small = memory.take(b"y" * 100)
-    assert memory.take(b"z" * 100) and memory.held == 2 * small
+    assert memory.take(400) and memory.take(400) and memory.held == 800
 
 
 def _chat(content: str, stream: bool = True) -> bytes:
@@ -79,3 +78,25 @@ async def test_the_bodies_of_requests_in_flight_are_bounded_end_to_end(tmp_path:
     assert refused[:2] == (503, "1"), refused
     assert refused[2]["error"]["code"] == "server_overloaded"
     assert after == 200  # the stream's charge was given back when it ended
+
+
+async def test_grpc_requests_share_the_bound(tmp_path: Path) -> None:
+    """A gRPC ChatRequest is charged by its size and its messages (2 M empty messages fit in
+    4 MiB, each a dict and a typed struct): while one runs, a second past the bound is an
+    Error with status 503, and once the first is done a third is served."""
+    slow = "[[sim itl_ms=100 output_tokens=20]] " + "w " * 20_000
+    with procs.sim("--ttft-ms", "0") as sim:
+        cfg = tmp_path / "gw.yaml"
+        cfg.write_text("server: {max_body_memory_bytes: 200000}\n")
+        gateway, target = _grpc_gateway(sim, "--config", str(cfg))
+        with gateway:
+            async with Stream(target) as s:
+                await s.outbox.put(_request("first", slow, 20))
+                await s.wait(lambda: "delta" in s.kinds("first"))  # it runs
+                await s.outbox.put(_request("second", "w " * 20_000, 5))
+                await s.wait(lambda: s.finished("second") and s.finished("first"))
+                await s.outbox.put(_request("third", "w " * 20_000, 5))
+                await s.wait(lambda: s.finished("third"))
+    refused = s.inbox["second"][-1]
+    assert refused.WhichOneof("kind") == "error" and refused.error.status == 503
+    assert s.kinds("first")[-1] == "done" and s.kinds("third")[-1] == "done"

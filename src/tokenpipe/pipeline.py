@@ -19,6 +19,7 @@ from tokenpipe import usage as usage_mod
 from tokenpipe.clock import Timeout
 from tokenpipe.context.budget import ContextBudget, ContextOutcome
 from tokenpipe.control.auth import Authenticator
+from tokenpipe.control.bodies import BodyMemory
 from tokenpipe.control.deadline import Scope
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.control.traffic import Ticket, TrafficControl
@@ -77,6 +78,8 @@ class Gateway:
         self.policy = Policy(settings.tail, router, defer=_call_soon)
         self.context = ContextBudget(settings.context, self.policy, self.traffic.internal)
         self.draining = False
+        #: What the requests being served hold, both fronts (server.max_body_memory_bytes).
+        self.bodies = BodyMemory(settings.server.max_body_memory_bytes)
         #: The APIs the upstreams speak: with one, no request is translated.
         self.apis = frozenset(u.settings.api for u in router.upstreams)
 

@@ -27,7 +27,7 @@ class ServerSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     #: Request bodies larger than this get 413 (bytes).
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     #: What the bodies of the requests being served may hold in all, estimated (bytes:
-    #: 4 a byte of body, 128 a JSON object or array; front/held.py). Past it a new request
+    #: 4 a byte of body, 128 a JSON object or array; control/bodies.py). Past it a new request
     #: gets 503 `server_overloaded` with Retry-After. 1 GiB: ~250 bodies of 4 MiB of text.
     max_body_memory_bytes: PositiveInt = 1024 * 1024 * 1024
     #: On SIGTERM, open streams may finish for this long before the process exits (seconds).

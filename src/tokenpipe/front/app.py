@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable
 
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.drain import Drain
-from tokenpipe.front.held import BodyMemory
 from tokenpipe.front.wire import Request, Response, StreamResponse
 from tokenpipe.pipeline import Gateway
 
@@ -22,8 +21,6 @@ class Front:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.drain = Drain()
-        #: What the request bodies being served hold (server.max_body_memory_bytes).
-        self.bodies = BodyMemory(gateway.settings.server.max_body_memory_bytes)
         #: path -> method -> handler (GET routes answer HEAD too).
         self.routes: dict[str, dict[str, RouteHandler]] = {}
         #: Routes with one trailing parameter (`/v1/models/{model}`): template -> (the

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 from tokenpipe import request_ids
+from tokenpipe.control import bodies
 from tokenpipe.control.deadline import Scope
 from tokenpipe.errors import GatewayError
 from tokenpipe.front.app import ErrorBody
@@ -63,7 +64,7 @@ async def arrive(request: Request, *, x_api_key: bool = False) -> Arrival:
     server = gw.settings.server
     body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
     # Charged until the handler ends (front/http.py dispatch gives it back).
-    request.held = request.app.bodies.take(body)
+    request.held = gw.bodies.take(bodies.estimate(body))
     return Arrival(started, gw, rid, key, scope, body)
 
 

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tokenpipe import request_ids, serving
 from tokenpipe import usage as usage_counts
+from tokenpipe.control import bodies
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Piece
 from tokenpipe.dialects import openai_schema as schema
@@ -221,7 +222,10 @@ class _Session:
             )
             tracing.CURRENT.set(trace)
         status = CLIENT_CLOSED
+        held = 0  # the request's charge against the gateway's BodyMemory, while it lasts
         try:
+            cost = bodies.estimate_messages(req.ByteSize(), len(req.messages))
+            held = self.gateway.bodies.take(cost)
             await self._serve_unguarded(rid, req, state, request_id)
             status = 200
         except GatewayError as e:
@@ -234,6 +238,7 @@ class _Session:
             log.exception("gRPC request %s failed", rid)
             await self.error(rid, GatewayError(500, "Internal error in the gateway."))
         finally:
+            self.gateway.bodies.give(held)
             if trace is not None:
                 trace.close(status, http=False)
 

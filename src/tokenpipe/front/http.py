@@ -93,7 +93,7 @@ async def dispatch(request: Request) -> Response | StreamResponse:
         return response
     finally:
         if request.held:  # its body's charge (edge.arrive), its stream over
-            front.bodies.give(request.held)
+            front.gateway.bodies.give(request.held)
             request.held = 0
         if trace is not None:  # no response: the client went away
             trace.close(response.status if response is not None else CLIENT_CLOSED)

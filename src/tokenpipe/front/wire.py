@@ -97,7 +97,7 @@ class Request:
         self.sse: StreamResponse | None = None  # a started stream, for the shutdown cut
         self.error_event: Callable[[Any], bytes] | None = None  # that stream's API's
         self.discarding = False  # the rest of the body is dropped as it arrives
-        self.held = 0  # its body's charge against the front's BodyMemory, while it lasts
+        self.held = 0  # its body's charge against the gateway's BodyMemory, while it lasts
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False  # this body paused the connection's reading

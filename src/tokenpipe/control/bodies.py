@@ -1,4 +1,5 @@
-"""The memory the request bodies being served hold, estimated and bounded.
+"""The memory the requests being served hold, estimated and bounded: one budget for both
+fronts (HTTP bodies, gRPC messages).
 
 A body is held, parsed, for as long as its request lasts: while it waits for the limiter
 (up to `limits.max_waiting` requests) and while its stream runs. Parsed, JSON costs more than
@@ -9,7 +10,9 @@ charged an estimate of that when it arrives, and the sum is bounded by
 `server.max_body_memory_bytes`: past it a new request gets 503 `server_overloaded` with
 Retry-After, whatever its key, before any other work. A request alone is never refused (a
 bound below one body's estimate would refuse it forever). The charge is given back when the
-request's handler ends, its stream included.
+request's handler ends, its stream included. A gRPC ChatRequest is charged by its size and
+its messages (`estimate_messages`): each one becomes a dict and a typed struct, and 4 MiB of
+empty messages is 2 M of them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ PER_BYTE = 4
 #: copy and its place in its parent (measured: ~145 bytes an empty content part). A bracket
 #: inside a string is charged as well: an estimate on the high side, never a refusal alone.
 PER_CONTAINER = 128
+#: Bytes charged for each message of a gRPC ChatRequest: its dict (two keys), its strings,
+#: its typed copy and its places in two lists (~270 bytes for an empty message).
+PER_MESSAGE = 256
 #: Seconds a refused client is asked to wait (Retry-After).
 RETRY_AFTER = 1
 
@@ -31,6 +37,11 @@ def estimate(body: bytes) -> int:
     """The bytes `body` holds while its request lasts, estimated (two C scans: ~0.1 ms a
     MiB; nothing for a small body)."""
     return PER_BYTE * len(body) + PER_CONTAINER * (body.count(b"{") + body.count(b"["))
+
+
+def estimate_messages(size: int, messages: int) -> int:
+    """The bytes a gRPC ChatRequest of `size` bytes with `messages` messages holds."""
+    return PER_BYTE * size + PER_MESSAGE * messages
 
 
 class BodyMemory:
@@ -42,9 +53,9 @@ class BodyMemory:
         self.limit = limit
         self.held = 0  # bytes charged to the requests being served
 
-    def take(self, body: bytes) -> int:
-        """Charges `body`; returns its charge, to `give` back. Raises 503 past the limit."""
-        cost = estimate(body)
+    def take(self, cost: int) -> int:
+        """Charges `cost` bytes (`estimate`); returns it, to `give` back. Raises 503 past the
+        limit."""
         if self.held and self.held + cost > self.limit:
             raise GatewayError(
                 503,
