@@ -2,10 +2,10 @@
 
 Gates: API keys (`auth`), per-key quotas (`admission`), the per-upstream limiter that waits
 for capacity (`limiter`, with `aimd` for concurrency and `bucket` token buckets held in a
-`store`, in memory or `redis_backend`), the circuit breaker (`breaker`) and the stream's
-credit and pace (`flowgate`). Beside them: retry and hedge budgets (`budget`), deadlines
-learned from latency quantiles and the request's one deadline scope (`deadline`,
-`quantiles`), what a request costs (`cost`, capped by `published` windows), and the
+`store`, in memory or `redis_backend`), the circuit breaker (`breaker`), the stream's credit
+and pace (`flowgate`) and the memory the requests being served hold (`bodies`). Beside
+them: retry and hedge budgets (`budget`), deadlines learned from latency quantiles and the
+request's one deadline scope (`deadline`, `quantiles`), what a request costs (`cost`, capped by `published` windows), and the
 upstream's rate-limit headers and their sane ranges (`ratelimit_headers`, `bounds`).
 `traffic` builds these from settings and gives each request its `Ticket` through them.
 
