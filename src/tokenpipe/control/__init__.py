@@ -5,8 +5,9 @@ for capacity (`limiter`, with `aimd` for concurrency and `bucket` token buckets 
 `store`, in memory or `redis_backend`), the circuit breaker (`breaker`), the stream's credit
 and pace (`flowgate`) and the memory the requests being served hold (`bodies`). Beside
 them: retry and hedge budgets (`budget`), deadlines learned from latency quantiles and the
-request's one deadline scope (`deadline`, `quantiles`), what a request costs (`cost`, capped by `published` windows), and the
-upstream's rate-limit headers and their sane ranges (`ratelimit_headers`, `bounds`).
+request's one deadline scope (`deadline`, `quantiles`), what a request costs (`cost`,
+capped by `published` windows), and the upstream's rate-limit headers and their sane ranges
+(`ratelimit_headers`, `bounds`).
 `traffic` builds these from settings and gives each request its `Ticket` through them.
 
 The algorithms are small, pure and clock-injected. Layer: below everything of the request
