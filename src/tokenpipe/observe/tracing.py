@@ -30,6 +30,7 @@ from opentelemetry import trace as otel
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from tokenpipe.observe import answer_facts
 from tokenpipe.observe.genai import GenAIMetrics
 from tokenpipe.observe.spans import NO_SPAN, NoSpan, Span, header_lines, server_of
 
@@ -57,6 +58,8 @@ OPERATIONS = {
 }
 #: The model an upstream names in its event or body (read once per stream, when traced).
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+#: Largest non-streamed answer parsed whole to capture its content (bytes).
+CAPTURE_MAX_BYTES = 4 * 1024 * 1024
 #: Finish reasons kept per request (one per choice; bounded for a request with many).
 _MAX_REASONS = 16
 #: Characters of one finish reason kept: an upstream sent 1 MB as one (10 MB a batch of
@@ -215,31 +218,31 @@ class RequestTrace:
                 self.response_model = m.group(1).decode("utf-8", "replace")
 
     def answer(self, status: int, body: bytes) -> None:
-        """A non-streamed answer: its model, finish reasons and (captured) content."""
+        """A non-streamed answer: its model, finish reasons and (captured) content. Parsed
+        only for what is read (answer_facts), and whole only to capture content, up to
+        CAPTURE_MAX_BYTES (the attribute keeps 16 KiB of it)."""
         if status != 200:
             return
-        try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError:
+        found = answer_facts.facts(body)
+        if found is None:
             return
-        if not isinstance(obj, dict):
-            return
-        model = obj.get("model")
+        model, choices, others = found
         if isinstance(model, str):
             self.response_model = model[:256]
-        choices = obj.get("choices")
-        if isinstance(choices, list):
-            for c in choices[:_MAX_REASONS]:
-                if isinstance(c, dict) and isinstance(c.get("finish_reason"), str):
-                    self.finish_reasons.append(c["finish_reason"][:_MAX_REASON_CHARS])
-        for field in ("stop_reason", "status"):  # Anthropic's, the Responses API's
-            value = obj.get(field)
+        for reason in choices[:_MAX_REASONS]:
+            if isinstance(reason, str):
+                self.finish_reasons.append(reason[:_MAX_REASON_CHARS])
+        for value in others:  # Anthropic's `stop_reason`, the Responses API's `status`
             if isinstance(value, str) and len(self.finish_reasons) < _MAX_REASONS:
                 self.finish_reasons.append(value[:_MAX_REASON_CHARS])
                 break
-        if self.capture:
+        if self.capture and len(body) <= CAPTURE_MAX_BYTES:
+            try:
+                obj = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                return
             for field in ("choices", "content", "output"):
-                if obj.get(field) is not None:
+                if isinstance(obj, dict) and obj.get(field) is not None:
                     self.span.set_attribute("gen_ai.output.messages", _text(obj[field]))
                     break
 
