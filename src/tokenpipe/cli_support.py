@@ -91,7 +91,7 @@ def api_key(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     """`--api-key` (or its environment variable) without the blanks around it: a key read
     from a file often ends with a newline. One with a line break inside is a usage error,
     found before any request fails on it. The key is never quoted back."""
-    from tokenpipe.settings import has_control_characters
+    from tokenpipe.urls import has_control_characters
 
     key = (value or "").strip()
     if has_control_characters(key):
@@ -156,7 +156,7 @@ def grpc_target(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 def http_url(url: str, what: str = "URL") -> str:
     """An http(s) URL with a host, else a usage error (not one failed request per try)."""
-    from tokenpipe.settings import url_problem
+    from tokenpipe.urls import url_problem
 
     if url_problem(url, base_url=False):
         raise click.UsageError(f"{what} must be an http(s) URL, e.g. http://127.0.0.1:8000/v1")
