@@ -12,7 +12,7 @@ import orjson
 import pytest
 from opentelemetry import trace
 
-from tokenpipe import usage
+from tokenpipe import answer_fields, usage
 from tokenpipe.clock import ManualClock
 from tokenpipe.context import tokens
 from tokenpipe.context.lookup import ANNOUNCED, MAX_MODELS, ModelLookup
@@ -82,8 +82,9 @@ def test_an_upstreams_finish_reason_is_traced_bounded() -> None:
     span = trace.NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
     t = RequestTrace(span)
     t.saw(None, "x" * 1_000_000)
-    t.answer(200, orjson.dumps({"choices": [{"finish_reason": "y" * 1_000_000}]}))
-    t.answer(200, orjson.dumps({"stop_reason": "z" * 1_000_000}))
+    for answer in ({"choices": [{"finish_reason": "y" * 1_000_000}]}, {"stop_reason": "z" * 10**6}):
+        body = orjson.dumps(answer)
+        t.answer(200, answer_fields.read(body), body)
     assert [len(r) for r in t.finish_reasons] == [64, 64, 64]
 
 
@@ -97,13 +98,14 @@ def test_a_traced_answer_is_read_for_its_facts_not_parsed_whole() -> None:
     body = b'{"model":"m-1","x":' + junk + b',"choices":[{"finish_reason":"stop"}]}'
     tracemalloc.start()
     try:
-        t.answer(200, body)
+        t.answer(200, answer_fields.read(body), body)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < len(body), peak
     assert t.response_model == "m-1" and t.finish_reasons == ["stop"]
-    t.answer(200, b'{"choices": 5, "stop_reason": ["no"], "status": "completed"}')
+    body = b'{"choices": 5, "stop_reason": ["no"], "status": "completed"}'
+    t.answer(200, answer_fields.read(body), body)
     assert t.finish_reasons == ["stop", "completed"]
 
 

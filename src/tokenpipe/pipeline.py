@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
+from tokenpipe import answer_fields
 from tokenpipe import usage as usage_mod
 from tokenpipe.clock import Timeout
 from tokenpipe.context.budget import ContextBudget, ContextOutcome
@@ -317,12 +318,17 @@ class Call:
         """The API of the events (and bodies) the client gets."""
         return self.route.req.dialect
 
-    async def read_whole(self, limit: int | None = None) -> bytes:
-        """The whole body of a non-streamed answer (or an upstream error), bounded."""
+    async def read_whole(
+        self, limit: int | None = None
+    ) -> tuple[bytes, answer_fields.Fields | None]:
+        """The whole body of a non-streamed answer (or an upstream error), bounded, and the
+        fields the gateway reads of it (None: not a JSON object), read once for the front
+        and the span."""
         uresp = self.route.uresp
         body = await (read_bounded(uresp) if limit is None else read_bounded(uresp, limit))
-        self.tally.trace.answer(uresp.status, body)  # (traced only) model, finish reasons
-        return body
+        fields = answer_fields.read(body)
+        self.tally.trace.answer(uresp.status, fields, body)  # (traced only) model, reasons
+        return body, fields
 
     async def relay(
         self,

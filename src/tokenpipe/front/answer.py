@@ -8,10 +8,9 @@ import logging
 import time
 from typing import Any
 
-import msgspec
 import orjson
 
-from tokenpipe import sse
+from tokenpipe import answer_fields, sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Dialect
 from tokenpipe.errors import GatewayError
@@ -39,26 +38,10 @@ _RATELIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
 #: passed on: 5 s and 1.7 GiB). 4 MiB is what a translated stream holds at most
 #: (responses_output.HELD_MAX_BYTES), ~8x a 128k-token answer.
 TRANSLATED_MAX_BYTES = 4 * 1024 * 1024
-#: Largest `usage` or `error` value read of an answer passed on as sent (bytes; a real one is
-#: under 1 KiB): a larger one counts as absent, like one of the wrong type.
-FIELD_MAX_BYTES = 64 * 1024
 #: Of a 200 answer passed on as sent (`Dialect.answers_as_sent`) the gateway reads only
 #: `usage` (the dialect's `usage_of`); of an error answer, every dialect reads only `error`
-#: (`upstream_error_body`). A translation's 200 answers are parsed whole.
-
-
-class _Fields(msgspec.Struct):
-    """The fields read of an answer passed on as sent, as raw JSON: msgspec checks the rest
-    (its syntax and nesting; not numbers past a double's range, which JSON allows) and skips
-    it without building objects. Parsed whole, 57 MiB of `[]`s cost 5.0 s of CPU on the
-    event loop and 1.8 GiB of peak RSS; read so, 0.13 s and nothing beyond the body. (Parsed
-    in a thread, it stalled the loop as long: orjson holds the GIL for the whole parse.)"""
-
-    usage: msgspec.Raw = msgspec.Raw()
-    error: msgspec.Raw = msgspec.Raw()
-
-
-_read_fields = msgspec.json.Decoder(_Fields).decode
+#: (`upstream_error_body`): answer_fields, without parsing the rest. A translation's 200
+#: answers are parsed whole.
 
 
 async def unary(call: Call, rid: str) -> tuple[int, Response]:
@@ -68,7 +51,7 @@ async def unary(call: Call, rid: str) -> tuple[int, Response]:
     status = uresp.status
     whole = status == 200 and not dialect.answers_as_sent  # a translation
     try:
-        body = await call.read_whole(TRANSLATED_MAX_BYTES if whole else None)
+        body, fields = await call.read_whole(TRANSLATED_MAX_BYTES if whole else None)
     except UpstreamProtocolError as e:  # bad chunk framing and the like
         raise GatewayError(502, f"Upstream broke the protocol: {e}.", code=PROTOCOL_ERROR) from None
     except (TimeoutError, UpstreamError):
@@ -76,7 +59,7 @@ async def unary(call: Call, rid: str) -> tuple[int, Response]:
             502, "Upstream closed the connection before answering.", code="upstream_error"
         ) from None
     headers = {"x-request-id": rid}
-    obj = _parse(body) if whole else _fields(body)
+    obj = _parse(body) if whole else _read(fields)
     if status == 200:
         if not isinstance(obj, dict):
             raise GatewayError(
@@ -129,27 +112,11 @@ def _parse(body: bytes) -> Any:
         return None
 
 
-def _fields(body: bytes) -> dict[str, Any] | None:
-    """The `usage` and `error` of an answer that is a JSON object (else None), each None when
-    absent, over FIELD_MAX_BYTES or not JSON orjson reads."""
-    try:
-        fields = _read_fields(body)
-        # msgspec does not check the text of what it skips: text that is not UTF-8 is not
-        # JSON, and not passed on as an answer (a 502, as orjson's full parse made it).
-        # 0.08 ms a MiB, a copy of the body for that long.
-        body.decode()
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
-        return None  # not JSON, not an object, nested too deep
-    return {"usage": _value(fields.usage), "error": _value(fields.error)}
-
-
-def _value(raw: msgspec.Raw) -> Any:
-    if not 0 < len(raw) <= FIELD_MAX_BYTES:
+def _read(fields: answer_fields.Fields | None) -> dict[str, Any] | None:
+    """The `usage` and `error` of an answer that is a JSON object (else None)."""
+    if fields is None:
         return None
-    try:
-        return orjson.loads(memoryview(raw))
-    except orjson.JSONDecodeError:  # a number out of a double's range, text not UTF-8
-        return None
+    return {"usage": answer_fields.value(fields.usage), "error": answer_fields.value(fields.error)}
 
 
 async def serve(

@@ -17,11 +17,10 @@ from typing import Any
 
 import grpc
 import msgspec
-import orjson
 from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
-from tokenpipe import request_ids, serving
+from tokenpipe import answer_fields, request_ids, serving
 from tokenpipe import usage as usage_counts
 from tokenpipe.control import bodies
 from tokenpipe.control.flowgate import FlowGate
@@ -352,8 +351,10 @@ def _too_many() -> GatewayError:
 async def _upstream_error(call: Call) -> GatewayError:
     uresp = call.uresp
     try:
-        body = orjson.loads(await call.read_whole(1024 * 1024))
-        err = body["error"]
+        _, fields = await call.read_whole(1024 * 1024)
+        err = answer_fields.value(fields.error) if fields is not None else None
+        if not isinstance(err, dict):
+            raise LookupError("no error object")
         # The upstream's words, bounded and as strings (a list as its `type` was a 500).
         kind, code = err.get("type"), err.get("code")
         return GatewayError(
@@ -365,10 +366,7 @@ async def _upstream_error(call: Call) -> GatewayError:
     except (
         TimeoutError,
         UpstreamError,
-        orjson.JSONDecodeError,
         LookupError,
-        TypeError,
-        AttributeError,
     ):
         return GatewayError(
             uresp.status if uresp.status >= 400 else 502,

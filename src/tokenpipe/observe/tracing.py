@@ -30,7 +30,7 @@ from opentelemetry import trace as otel
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tokenpipe.observe import answer_facts
+from tokenpipe import answer_fields
 from tokenpipe.observe.genai import GenAIMetrics
 from tokenpipe.observe.spans import NO_SPAN, NoSpan, Span, header_lines, server_of
 
@@ -217,23 +217,21 @@ class RequestTrace:
             if m:
                 self.response_model = m.group(1).decode("utf-8", "replace")
 
-    def answer(self, status: int, body: bytes) -> None:
-        """A non-streamed answer: its model, finish reasons and (captured) content. Parsed
-        only for what is read (answer_facts), and whole only to capture content, up to
-        CAPTURE_MAX_BYTES (the attribute keeps 16 KiB of it)."""
-        if status != 200:
+    def answer(self, status: int, fields: answer_fields.Fields | None, body: bytes) -> None:
+        """A non-streamed answer (`fields`: what is read of `body`, answer_fields): its model,
+        finish reasons and (captured) content. `body` is parsed whole only to capture
+        content, up to CAPTURE_MAX_BYTES (the attribute keeps 16 KiB of it)."""
+        if status != 200 or fields is None:
             return
-        found = answer_facts.facts(body)
-        if found is None:
-            return
-        model, choices, others = found
-        if isinstance(model, str):
+        model = answer_fields.string(fields.model)
+        if model is not None:
             self.response_model = model[:256]
-        for reason in choices[:_MAX_REASONS]:
-            if isinstance(reason, str):
+        for reason in answer_fields.finish_reasons(fields)[:_MAX_REASONS]:
+            if reason is not None:
                 self.finish_reasons.append(reason[:_MAX_REASON_CHARS])
-        for value in others:  # Anthropic's `stop_reason`, the Responses API's `status`
-            if isinstance(value, str) and len(self.finish_reasons) < _MAX_REASONS:
+        for raw in (fields.stop_reason, fields.status):  # Anthropic's, the Responses API's
+            value = answer_fields.string(raw)
+            if value is not None and len(self.finish_reasons) < _MAX_REASONS:
                 self.finish_reasons.append(value[:_MAX_REASON_CHARS])
                 break
         if self.capture and len(body) <= CAPTURE_MAX_BYTES:
@@ -361,7 +359,7 @@ class NoTrace(RequestTrace):
     def saw(self, raw: bytes | None, finish_reason: str | None) -> None:
         pass
 
-    def answer(self, status: int, body: bytes) -> None:
+    def answer(self, status: int, fields: answer_fields.Fields | None, body: bytes) -> None:
         pass
 
     def output(self, text: str) -> None:
