@@ -88,9 +88,9 @@ class Summarizer:
             metrics.CONTEXT_SUMMARIES.labels("timeout").inc()
             return None, "timeout"
         except (GatewayError, UpstreamError, ValueError) as e:
-            # Absorbed here: its traceback goes. It held this request's frames, which hold the
-            # cache's shared future (SummaryCache.once), which holds the exception: a cycle
-            # that kept each failed summary, and the answer it read, for the collector.
+            # Absorbed here: its traceback goes, so the log record that keeps `e` (a handler
+            # may hold records) does not keep the summary call's frames and the answer they
+            # read. (The cycle through the cache's future is broken in SummaryCache.once.)
             e.__traceback__ = None
             log.warning("context: summary by %s failed: %s", summarizer, e)
             metrics.CONTEXT_SUMMARIES.labels("failed").inc()

@@ -92,6 +92,9 @@ class SummaryCache:
                 if pending.cancelled():  # the writer gave up (its deadline), not us
                     raise ValueError("the summary being written was abandoned") from None
                 raise
+            finally:
+                # As `fut` below: the writer's exception, raised here too, holds this frame.
+                del pending
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pending[key] = fut
         try:
