@@ -55,11 +55,10 @@ async def list_models(request: Request) -> Response:
     if anthropic:  # a page: at most MAX_LIMIT models, found by bisection
         return json_response(200, orjson.dumps(anthropic_page(listing.names, request.query)))
     # The whole list, rendered once per change of an upstream's list (router.candidates).
-    body = listing.rendered.get("openai")
-    if body is None:
+    if listing.body is None:
         data = [_openai_model(n) for n in listing.names]
-        body = listing.rendered["openai"] = orjson.dumps({"object": "list", "data": data})
-    return json_response(200, body)
+        listing.body = orjson.dumps({"object": "list", "data": data})
+    return json_response(200, listing.body)
 
 
 async def retrieve_model(request: Request) -> Response:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
@@ -13,13 +13,13 @@ from tokenpipe.upstream.http import HttpUpstream
 class Listing:
     """The models the upstreams serve (configured names and their lists), built once per
     change of a list: `names` sorted (GET /v1/models and its pages), `known` for membership.
-    `rendered`: the bodies the front made of it, by shape, kept with it so that a client
+    `body`: the OpenAI-shaped list the front made of it, kept with it so that a client
     polling GET /v1/models costs a lookup until a list changes (100,000 listed ids took
     166 ms of the event loop's CPU a call)."""
 
     names: tuple[str, ...]
     known: frozenset[str]
-    rendered: dict[str, bytes] = field(default_factory=dict)
+    body: bytes | None = None
 
 
 class Router:
