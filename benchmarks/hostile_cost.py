@@ -5,6 +5,7 @@ quadratic, which a client or an upstream turns into seconds of a blocked event l
 
     python benchmarks/hostile_cost.py                          # ~10 s
     python benchmarks/hostile_cost.py --base-src ../base/src   # before/after, ~2 min
+    python benchmarks/hostile_cost.py --case body              # the request bodies alone
 
 The cases, each run in a child process of its target (PYTHONPATH=its src), rounds
 interleaved, medians:
@@ -16,7 +17,13 @@ interleaved, medians:
 - `responses text`: n characters of answer in 4-character deltas, to a Responses client
   on a chat upstream (dialects/responses_chat.py);
 - `pool waiters`: n requests waiting for a full upstream pool's connection, then given up
-  newest first, as clients that disconnect together (upstream/h1.py).
+  newest first, as clients that disconnect together (upstream/h1.py);
+- `body: ...`: a chat request body of n bytes parsed and checked as the front does
+  (dialects/openai_schema.py `parse`, in a heap settled as the gateway's: serving.settle_heap)
+  whose one message's content is text, text parts (`{"type":"text","text":""}`) or empty
+  objects (`{}`), or whose text message comes with an unread field of n bytes of `[]`. The
+  same bytes cost up to ~30x more as small containers than as text: the shapes a client with
+  a valid key can make the event loop parse.
 JSON in results/hostile_cost.json.
 """
 
@@ -38,6 +45,10 @@ CASES = {
     "tool results": 10000,
     "responses text": 250_000,
     "pool waiters": 10_000,
+    "body: text": 2 << 20,
+    "body: text parts": 2 << 20,
+    "body: {} parts": 2 << 20,
+    "body: [] unread": 2 << 20,
 }
 
 _CHILD = r"""
@@ -123,7 +134,31 @@ def pool_waiters(n):
         return spent
     return asyncio.run(run())
 
+def body(shape, n):
+    from tokenpipe import serving
+    from tokenpipe.dialects import openai_schema
+    from tokenpipe.errors import GatewayError
+
+    head = b'{"model":"m","stream":true,"messages":[{"role":"user","content":'
+    if shape == "text":
+        data = head + b'"' + b"a " * (n // 2) + b'"}]}'
+    elif shape == "[] unread":
+        data = head + b'"hi"}],"x":[' + b",".join([b"[]"] * (n // 3)) + b"]}"
+    else:
+        part = b"{}" if shape == "{} parts" else b'{"type":"text","text":""}'
+        data = head + b"[" + b",".join([part] * (n // (len(part) + 1))) + b"]}]}"
+    serving.settle_heap()
+    t = time.process_time()
+    try:
+        openai_schema.parse(data, openai_schema.ChatRequest)
+    except GatewayError:  # refused: what it cost to find out is the figure
+        pass
+    return time.process_time() - t
+
 case, n = sys.argv[1], int(sys.argv[2])
+if case.startswith("body: "):
+    print(json.dumps(body(case[6:], n)))
+    sys.exit()
 fn = {"sse event": sse_event, "tool calls": tool_calls, "tool results": tool_results,
       "responses text": responses_text, "pool waiters": pool_waiters}[case]
 print(json.dumps(fn(n)))
@@ -141,12 +176,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--base-src", type=src_dir, help="src/ of another checkout, measured too")
+    p.add_argument("--case", action="append", help="only the cases starting with this")
     p.add_argument("--json", default=str(ROOT / "results" / "hostile_cost.json"))
     args = p.parse_args()
     targets = {"this tree": str(ROOT / "src")}
     if args.base_src:
         targets["base"] = args.base_src
-    runs = [(t, c, m * n) for c, n in CASES.items() for m in (1, 2) for t in targets]
+    cases = {
+        c: n for c, n in CASES.items() if not args.case or any(c.startswith(x) for x in args.case)
+    }
+    if not cases:
+        p.error(f"no case starts with {args.case}; the cases: {', '.join(CASES)}")
+    runs = [(t, c, m * n) for c, n in cases.items() for m in (1, 2) for t in targets]
     seconds: dict[tuple[str, str, int], list[float]] = {r: [] for r in runs}
     for i in range(args.rounds):
         print(f"  round {i + 1}/{args.rounds}", flush=True)
@@ -156,7 +197,7 @@ def main() -> None:
     print("\nCPU seconds for n and 2n (median), and their ratio (2: linear, 4: quadratic)")
     print(f"{'case':<16}{'n':>10} {'target':<11}{'n':>10}{'2n':>10}{'2n/n':>7}")
     rows = []
-    for case, n in CASES.items():
+    for case, n in cases.items():
         for target in targets:
             one, two = med[(target, case, n)], med[(target, case, 2 * n)]
             ratio = two / one if one > 0 else float("nan")

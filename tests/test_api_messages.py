@@ -207,6 +207,11 @@ INVALID = "invalid_request_error"
         ("POST", "/v1/messages", {"model": "sim-model", "messages": []}, 400, INVALID),
         ("POST", "/v1/messages", {"model": "m", "max_tokens": "5", "messages": []}, 400, INVALID),
         ("POST", "/v1/messages/count_tokens", {"model": "sim-model"}, 400, INVALID),
+        # A content block without its `type` (Anthropic's API requires it), a tool not an object
+        ("POST", "/v1/messages", {"model": "sim-model", "max_tokens": 5, "messages": [
+            {"role": "user", "content": [{"text": "hi"}]}]}, 400, INVALID),
+        ("POST", "/v1/messages", {"model": "sim-model", "max_tokens": 5, "messages": [
+            {"role": "user", "content": "hi"}], "tools": ["f"]}, 400, INVALID),
         ("GET", "/v1/messages", None, 405, INVALID),
     ],
 )  # fmt: skip

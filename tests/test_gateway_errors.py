@@ -57,6 +57,13 @@ def _assert_error(body: Any, openai_schemas: Any, code: str | None = None) -> No
             "invalid_request",
             "temperature",
         ),
+        (  # a content part is checked for its `type` only, as OpenAI requires it
+            b'{"model": "sim-model", "messages": [{"role": "user", "content": '
+            b'[{"type": "text", "text": "x"}, {"text": "y"}]}]}',
+            400,
+            "invalid_request",
+            "messages[0].content[1]",
+        ),
         (
             b'{"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}',
             404,

@@ -9,17 +9,21 @@ it (the route writes it in Anthropic's error shape).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from msgspec import Meta, Struct
 
-from tokenpipe.dialects.openai_schema import MAX_MESSAGES, ModelName, parse
+from tokenpipe.dialects.openai_schema import MAX_MESSAGES, ModelName, Object, parse
 
 __all__ = ["CountTokensRequest", "MessagesRequest", "parse"]
 
-#: A content block (`{"type": "text", "text": ...}`, images, tool_use, tool_result, ...):
-#: passed through whole, never read by the gateway.
-Block = dict[str, Any]
+
+class Block(Struct, gc=False):
+    """A content block (`{"type": "text", "text": ...}`, images, tool_use, tool_result, ...):
+    its `type` is required, as Anthropic's API requires it; passed through whole, never read
+    by the gateway (a Struct: see openai_schema.Object)."""
+
+    type: str
 
 
 class Message(Struct):
@@ -35,9 +39,9 @@ class MessagesRequest(Struct):
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
     stream: bool | None = None
     system: str | list[Block] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
+    tools: list[Object] | None = None
+    tool_choice: Object | None = None
+    metadata: Object | None = None
     stop_sequences: list[str] | None = None
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
@@ -52,5 +56,5 @@ class CountTokensRequest(Struct):
     model: ModelName
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
     system: str | list[Block] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tools: list[Object] | None = None
+    tool_choice: Object | None = None

@@ -19,7 +19,13 @@ from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
-from tokenpipe.dialects.openai_schema import ModelName, Probability, Temperature, TokenCount
+from tokenpipe.dialects.openai_schema import (
+    ModelName,
+    Object,
+    Probability,
+    Temperature,
+    TokenCount,
+)
 from tokenpipe.errors import GatewayError
 
 
@@ -33,7 +39,7 @@ class ResponsesRequest(Struct):
     """The fields of a Responses request the gateway reads (the rest is left as sent)."""
 
     model: ModelName
-    input: str | list[dict[str, Any]] | None = None
+    input: str | list[Object] | None = None
     instructions: str | None = None
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
