@@ -20,7 +20,7 @@ from tokenpipe import usage as usage_mod
 from tokenpipe.clock import Timeout
 from tokenpipe.context.budget import ContextBudget, ContextOutcome
 from tokenpipe.control.auth import Authenticator
-from tokenpipe.control.bodies import BodyMemory
+from tokenpipe.control.bodies import BodyMemory, ParseTime
 from tokenpipe.control.deadline import Scope
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.control.traffic import Ticket, TrafficControl
@@ -81,6 +81,8 @@ class Gateway:
         self.draining = False
         #: What the requests being served hold, both fronts (server.max_body_memory_bytes).
         self.bodies = BodyMemory(settings.server.max_body_memory_bytes)
+        #: The share of the loop each key's bodies take to parse (max_parse_share_per_key).
+        self.parsing = ParseTime(settings.server.max_parse_share_per_key, self.policy.clock)
         #: The APIs the upstreams speak: with one, no request is translated.
         self.apis = frozenset(u.settings.api for u in router.upstreams)
 

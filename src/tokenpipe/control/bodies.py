@@ -13,11 +13,20 @@ bound below one body's estimate would refuse it forever). The charge is given ba
 request's handler ends, its stream included. A gRPC ChatRequest is charged by its size and
 its messages (`estimate_messages`): each one becomes a dict and a typed struct, and 4 MiB of
 empty messages is 2 M of them.
+
+Parsed, a body also costs the event loop's time, and again a client chooses how much: 4 MiB
+of text parses in 7 ms, 4 MiB of `[]` in ~110 ms (benchmarks/hostile_cost.py --case body).
+`ParseTime` bounds the share of the loop each key's bodies take to parse, estimated from the
+same count of brackets: past it, a key's large bodies get 429 before they are parsed, and
+other keys' requests are not held up behind them.
 """
 
 from __future__ import annotations
 
+from tokenpipe.clock import MONOTONIC, Clock
+from tokenpipe.control.bucket import TokenBucket
 from tokenpipe.errors import GatewayError
+from tokenpipe.observe import metrics
 
 #: Bytes a body's byte is charged: the bytes read, their Python text, the JSON re-encoded for
 #: the upstream (measured: 4 MiB of text held ~14 MiB).
@@ -33,10 +42,36 @@ PER_MESSAGE = 256
 RETRY_AFTER = 1
 
 
-def estimate(body: bytes) -> int:
-    """The bytes `body` holds while its request lasts, estimated (two C scans: ~0.1 ms a
-    MiB; nothing for a small body)."""
-    return PER_BYTE * len(body) + PER_CONTAINER * (body.count(b"{") + body.count(b"["))
+#: Seconds of the event loop a body's parse takes, estimated: orjson building it, msgspec
+#: checking it (the collector paused: dialects/openai_schema.py) and freeing it afterwards,
+#: per byte and per `{` or `[` (hostile_cost.py --case body, 4 MiB: text 7 ms, 1.4 M `[]`
+#: 109 ms, 1.4 M `{}` parts 123 ms).
+PARSE_PER_BYTE = 2e-9
+PARSE_PER_CONTAINER = 85e-9
+#: Bodies below this size are neither charged nor refused for their parse: whatever their
+#: shape (16 KiB of `[],` is 5,500 containers), they parse in under 0.5 ms.
+PARSE_FREE_BYTES = 16 * 1024
+#: Seconds of parse a key may use at once, before its share applies: about four of the
+#: costliest 4 MiB bodies in a row.
+PARSE_BURST_SECONDS = 0.5
+
+
+def containers(body: bytes) -> int:
+    """The JSON objects and arrays in `body`, counted by its brackets (two C scans: ~0.1 ms a
+    MiB). A bracket inside a string counts too: every figure drawn from it is on the high
+    side."""
+    return body.count(b"{") + body.count(b"[")
+
+
+def estimate(body: bytes, count: int | None = None) -> int:
+    """The bytes `body` holds while its request lasts, estimated; `count`: its `containers`,
+    when they are counted already."""
+    return PER_BYTE * len(body) + PER_CONTAINER * (containers(body) if count is None else count)
+
+
+def parse_seconds(body: bytes, count: int) -> float:
+    """The event loop's time `body` (with `count` containers) takes to parse, estimated."""
+    return PARSE_PER_BYTE * len(body) + PARSE_PER_CONTAINER * count
 
 
 def estimate_messages(size: int, messages: int) -> int:
@@ -68,3 +103,42 @@ class BodyMemory:
 
     def give(self, cost: int) -> None:
         self.held -= cost
+
+
+class ParseTime:
+    """The event loop's time each key's bodies take to parse, bounded: a key's bodies may use
+    `share` of it (seconds of parse per second), after a burst of PARSE_BURST_SECONDS. A body
+    from PARSE_FREE_BYTES up is charged its estimated parse time before it is parsed; past
+    the key's share it gets 429 `rate_limit_exceeded` with Retry-After, and nothing of it is
+    parsed. A body larger than the burst alone is served once the budget is full, leaving
+    it in debt (control/bucket.py's reservation, at most two bursts deep).
+
+    Without auth every client is the key `anonymous` (as for quotas): one client's large
+    bodies can then hold up another's, never its small ones.
+
+    Bound: a bucket a key name, and the names are the configured keys (and `anonymous`).
+    """
+
+    __slots__ = ("_buckets", "clock", "share")
+
+    def __init__(self, share: float, clock: Clock = MONOTONIC) -> None:
+        self.share = share
+        self.clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def charge(self, key: str, seconds: float) -> None:
+        """Charges `seconds` of parse to `key`, or raises 429 when its share is spent."""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = TokenBucket(self.share, PARSE_BURST_SECONDS, self.clock)
+            self._buckets[key] = bucket
+        wait = bucket.reserve(seconds)
+        if wait > 0:
+            metrics.ADMISSION_REJECTED.labels("parse").inc()
+            raise GatewayError(
+                429,
+                "This API key's request bodies are taking too much of the gateway's time to "
+                f"parse. Please try again in {wait:.2g} s.",
+                code="rate_limit_exceeded",
+                retry_after=wait,
+            )
