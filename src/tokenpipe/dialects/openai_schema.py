@@ -106,30 +106,27 @@ def prepare(*kinds: type[Any]) -> None:
 
 def parse(body: bytes, kind: type[Any]) -> tuple[Any, dict]:
     """Returns (typed request, the JSON object as sent). Raises a 400 GatewayError."""
-    if len(body) < GC_PAUSE_BYTES or not gc.isenabled():
-        return _parse(body, kind)
-    gc.disable()
+    paused = len(body) >= GC_PAUSE_BYTES and gc.isenabled()
+    if paused:
+        gc.disable()
     try:
-        return _parse(body, kind)
+        try:
+            obj = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
+            raise GatewayError(
+                400, f"We could not parse the JSON body of your request: {e}", code="invalid_json"
+            ) from None
+        if not isinstance(obj, dict):
+            raise GatewayError(400, "The request body must be a JSON object.", code="invalid_json")
+        try:
+            return msgspec.convert(obj, kind), obj
+        except msgspec.ValidationError as e:
+            text = str(e)
+            param = validation_field(text)
+            message = VALIDATION_FIELD.sub("", text) + (f" (at '{param}')" if param else "")
+            raise GatewayError(
+                400, f"Invalid request: {message}", param=param, code="invalid_request"
+            ) from None
     finally:
-        gc.enable()
-
-
-def _parse(body: bytes, kind: type[Any]) -> tuple[Any, dict]:
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise GatewayError(
-            400, f"We could not parse the JSON body of your request: {e}", code="invalid_json"
-        ) from None
-    if not isinstance(obj, dict):
-        raise GatewayError(400, "The request body must be a JSON object.", code="invalid_json")
-    try:
-        return msgspec.convert(obj, kind), obj
-    except msgspec.ValidationError as e:
-        text = str(e)
-        param = validation_field(text)
-        message = VALIDATION_FIELD.sub("", text) + (f" (at '{param}')" if param else "")
-        raise GatewayError(
-            400, f"Invalid request: {message}", param=param, code="invalid_request"
-        ) from None
+        if paused:
+            gc.enable()

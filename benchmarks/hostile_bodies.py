@@ -1,0 +1,174 @@
+"""What one client's costly request bodies do to another client's requests: the victim's
+latency alone, then while an attacker with its own valid key sends 4 MiB bodies of `[]` at a
+fixed rate, for this tree and, with `--base-src`, another checkout's, side by side.
+
+    python benchmarks/hostile_bodies.py                            # ~1 min
+    python benchmarks/hostile_bodies.py --base-src ../base/src     # before/after, ~2 min
+
+Each gateway (keys `victim` and `attacker`, one sim as its upstream) is started fresh per
+round. The victim sends one-token chat requests one at a time (`--seconds` alone, then as
+long under attack). The attacker runs in a process of its own and sends `--rate` bodies a
+second, each a chat request for a model no upstream serves plus an unread field of 1.4 M `[]`
+(4 MiB). Parsed, the body is a 404 and the sim never sees it, so what the victim waits for
+is the gateway's event loop alone. A body refused before its parse (429: the key's share of
+the loop, `server.max_parse_share_per_key`) costs the gateway little. The table gives the
+victim's latency, the attacker's bodies by answer, and the gateway's CPU under attack;
+medians of the rounds. JSON in results/hostile_bodies.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import multiprocessing
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from _common import ROOT, cpu_seconds, gateway, src_dir, write_json
+
+from tokenpipe.bench import procs
+
+KEYS = {"victim": "sk-victim", "attacker": "sk-attacker"}
+#: The attacker's body: 4 MiB, 1.4 M empty arrays in a field the gateway does not read.
+JUNK = (
+    b'{"model":"nobody-serves-this","max_tokens":1,"messages":[{"role":"user","content":"hi"}],'
+    b'"x":[' + b",".join([b"[]"] * 1_390_000) + b"]}"
+)
+SMALL = orjson.dumps(
+    {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+)
+
+
+def _config(path: Path) -> Path:
+    keys = "".join(
+        f"    - {{name: {name}, sha256: {hashlib.sha256(key.encode()).hexdigest()}}}\n"
+        for name, key in KEYS.items()
+    )
+    path.write_text(f"auth:\n  api_keys:\n{keys}")
+    return path
+
+
+def _headers(key: str) -> dict[str, str]:
+    return {"content-type": "application/json", "authorization": f"Bearer {key}"}
+
+
+async def _victim(url: str, seconds: float) -> list[float]:
+    """Latencies (ms) of one-token requests sent one at a time for `seconds`."""
+    out: list[float] = []
+    async with aiohttp.ClientSession() as s:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t = time.perf_counter()
+            async with s.post(url, data=SMALL, headers=_headers(KEYS["victim"])) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            out.append(1e3 * (time.perf_counter() - t))
+    return out
+
+
+def _attack(url: str, rate: float, seconds: float, result: Any) -> None:
+    """The attacker's process: `rate` bodies a second for `seconds`, each in its own task
+    (at most 64 at once), then their answers' statuses counted into `result`."""
+
+    async def run() -> Counter[int]:
+        statuses: Counter[int] = Counter()
+        gate = asyncio.Semaphore(64)
+        async with aiohttp.ClientSession() as s:
+
+            async def one() -> None:
+                async with gate:
+                    try:
+                        async with s.post(url, data=JUNK, headers=_headers(KEYS["attacker"])) as r:
+                            await r.read()
+                            statuses[r.status] += 1
+                    except aiohttp.ClientError:
+                        statuses[0] += 1
+
+            tasks = []
+            start = time.perf_counter()
+            for i in range(int(rate * seconds)):
+                await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+                tasks.append(asyncio.create_task(one()))
+            await asyncio.gather(*tasks)
+        return statuses
+
+    result.update(asyncio.run(run()))
+
+
+def _round(sim_url: str, src: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = _config(ROOT / ".cache" / "hostile-bodies.yaml")
+    with gateway(sim_url, config=cfg, src=src) as gw:
+        url = gw.url + "/v1/chat/completions"
+        asyncio.run(_victim(url, 1.0))  # warm-up
+        alone = asyncio.run(_victim(url, args.seconds))
+        with multiprocessing.Manager() as manager:
+            statuses = manager.dict()
+            attacker = multiprocessing.Process(
+                target=_attack, args=(url, args.rate, args.seconds, statuses)
+            )
+            cpu0 = cpu_seconds(gw.pid)
+            attacker.start()
+            attacked = asyncio.run(_victim(url, args.seconds))
+            attacker.join()
+            cpu = cpu_seconds(gw.pid) - cpu0
+            got = dict(statuses)
+    q = statistics.quantiles
+    return {
+        "alone_p50": statistics.median(alone),
+        "alone_p99": q(alone, n=100)[98],
+        "attacked_p50": statistics.median(attacked),
+        "attacked_p99": q(attacked, n=100)[98],
+        "attacked_max": max(attacked),
+        "victim_requests": len(attacked),
+        "parsed": got.get(404, 0),
+        "refused": got.get(429, 0),
+        "other": sum(v for k, v in got.items() if k not in (404, 429)),
+        "cpu_s": cpu,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=8.0, help="victim alone, then attacked")
+    p.add_argument("--rate", type=float, default=8.0, help="attacker's bodies a second")
+    p.add_argument("--base-src", type=src_dir, help="src/ of another checkout, measured too")
+    p.add_argument("--json", default=str(ROOT / "results" / "hostile_bodies.json"))
+    args = p.parse_args()
+    targets: dict[str, str | None] = {"this tree": None}
+    if args.base_src:
+        targets["base"] = args.base_src
+    rounds: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
+    with procs.sim("--port", "0", "--ttft-ms", "0") as sim:
+        for i in range(args.rounds):
+            for target, src in targets.items():
+                print(f"  round {i + 1}/{args.rounds}: {target}", flush=True)
+                rounds[target].append(_round(sim.url, src, args))
+    rows = []
+    print(
+        f"\nvictim: one-token requests one at a time; attacker: {args.rate:g} bodies/s of 4 MiB"
+    )
+    print(
+        f"{'target':<10}{'alone p50':>10}{'p99':>7}{'attacked p50':>13}{'p99':>8}{'max':>8}"
+        f"{'parsed':>8}{'429':>6}{'CPU s':>7}"
+    )
+    for target, runs in rounds.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        rows.append({"target": target, **med, "rounds": runs})
+        print(
+            f"{target:<10}{med['alone_p50']:>10.2f}{med['alone_p99']:>7.2f}"
+            f"{med['attacked_p50']:>13.2f}{med['attacked_p99']:>8.1f}{med['attacked_max']:>8.0f}"
+            f"{med['parsed']:>8.0f}{med['refused']:>6.0f}{med['cpu_s']:>7.2f}"
+        )
+    print("(ms; parsed: the attacker's bodies answered 404 after their parse)")
+    write_json(args.json, "hostile_bodies", args, rows=rows)
+
+
+if __name__ == "__main__":
+    main()
