@@ -151,9 +151,7 @@ def main() -> None:
                 print(f"  round {i + 1}/{args.rounds}: {target}", flush=True)
                 rounds[target].append(_round(sim.url, src, args))
     rows = []
-    print(
-        f"\nvictim: one-token requests one at a time; attacker: {args.rate:g} bodies/s of 4 MiB"
-    )
+    print(f"\nvictim: one-token requests one at a time; attacker: {args.rate:g} bodies/s of 4 MiB")
     print(
         f"{'target':<10}{'alone p50':>10}{'p99':>7}{'attacked p50':>13}{'p99':>8}{'max':>8}"
         f"{'parsed':>8}{'429':>6}{'CPU s':>7}"
