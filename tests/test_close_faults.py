@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tokenpipe import settings
+from tokenpipe import config_file
 from tokenpipe.context.budget import UNCHANGED
 from tokenpipe.control.traffic import TrafficControl
 from tokenpipe.pipeline import Call
@@ -87,7 +87,7 @@ def _traffic(tmp: Path) -> TrafficControl:
         "limits:\n  adaptive_concurrency: false\n  max_concurrency: 2\n"
         "keys:\n  default: {max_concurrency: 1}\n"
     )
-    return TrafficControl(settings.load(cfg))
+    return TrafficControl(config_file.load(cfg))
 
 
 @pytest.mark.parametrize("step", STEPS)

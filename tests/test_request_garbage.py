@@ -27,8 +27,9 @@ import pytest
 
 from tests import procs
 from tokenpipe import gateway
+from tokenpipe.config_file import upstream_from_url
 from tokenpipe.front.app import Front
-from tokenpipe.settings import ContextModel, ContextSettings, Settings, upstream_from_url
+from tokenpipe.settings import ContextModel, ContextSettings, Settings
 
 
 @pytest.fixture(scope="module")

@@ -355,7 +355,7 @@ async def test_the_client_deadline_header_bounds_a_stuck_stream(tmp_path: Path) 
 
 
 def test_config_can_switch_every_feature_off(tmp_path: Path) -> None:
-    from tokenpipe import settings
+    from tokenpipe import config_file, settings
 
     cfg = tmp_path / "off.yaml"
     cfg.write_bytes(
@@ -368,7 +368,7 @@ tail:
   breaker: {enabled: false}
 """
     )
-    s = settings.load(cfg)
+    s = config_file.load(cfg)
     assert not (s.tail.deadlines or s.tail.retries.enabled or s.tail.hedging.enabled)
     assert not (s.tail.recovery.enabled or s.tail.breaker.enabled)
     on = settings.Settings()

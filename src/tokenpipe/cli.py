@@ -146,14 +146,15 @@ def serve(
     With no --upstream (and no upstreams in --config) it runs the embedded model, Gemma 3 270M
     on llama.cpp, as its one upstream: what `make run` does.
     """
+    from tokenpipe import config_file
     from tokenpipe import settings as settings_mod
 
     configure_logging(log_level, log_format)
     try:
-        cfg = settings_mod.load(config_path) if config_path else settings_mod.Settings()
+        cfg = config_file.load(config_path) if config_path else settings_mod.Settings()
         if upstreams:
-            cfg.upstreams = [settings_mod.upstream_from_url(u, i) for i, u in enumerate(upstreams)]
-    except settings_mod.ConfigError as e:
+            cfg.upstreams = [config_file.upstream_from_url(u, i) for i, u in enumerate(upstreams)]
+    except config_file.ConfigError as e:
         fail(str(e))
         return
     if host is not None:
@@ -178,7 +179,7 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
     """Holds or checks the ports first, then starts the local model if there is no upstream,
     then serves. An address or port it cannot listen on raises CannotListen (PortBusy when
     the port is taken) before any slow start-up work."""
-    from tokenpipe import gateway, ports, serving
+    from tokenpipe import config_file, gateway, ports, serving
     from tokenpipe import settings as settings_mod
     from tokenpipe.context.tokens import LOCAL_MODEL
     from tokenpipe.engines.local import child
@@ -218,7 +219,7 @@ def _serve(cfg: Settings, workers: int, log_level: str) -> None:
     try:
         with child.local_engine(extra_args=extra) as url:
             # It has no Responses API: /v1/responses is translated to chat, unasked.
-            local = settings_mod.upstream_from_url(url, 0)
+            local = config_file.upstream_from_url(url, 0)
             local.responses = "chat"
             cfg.upstreams = [local]
             # One model that runs one sequence at a time: a hedge would only queue behind

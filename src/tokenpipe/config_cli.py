@@ -23,11 +23,11 @@ def config() -> None:
 @click.argument("path", type=click.Path(dir_okay=False), metavar="FILE")
 def check(path: str) -> None:
     """Validate FILE: exit 0 if `serve --config FILE` would accept it, else 2 with the reason."""
-    from tokenpipe import settings as settings_mod
+    from tokenpipe import config_file
 
     try:
-        cfg = settings_mod.load(path)
-    except settings_mod.ConfigError as e:
+        cfg = config_file.load(path)
+    except config_file.ConfigError as e:
         click.echo(f"tokenpipe: {e}", err=True)
         sys.exit(2)
     for line in warnings(cfg):

@@ -1,4 +1,5 @@
-"""The one settings object, read from one YAML file. Every key is documented in docs/config.md.
+"""The one settings object, read from one YAML file (config_file.py). Every key is documented
+in docs/config.md.
 
 msgspec decodes the YAML into typed structs, so a bad config fails at start with an exact path
 (`Expected int, got str - at $.server.port`) instead of misbehaving later.
@@ -6,18 +7,26 @@ msgspec decodes the YAML into typed structs, so a bad config fails at start with
 
 from __future__ import annotations
 
-import math
 import os
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
-from tokenpipe.urls import has_control_characters, normalise_base_url, url_problem
-
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
+#: Entries a config's lists and maps may hold. YAML's aliases let a small file name one list
+#: many times inside another, and each use is checked (and kept) anew: 2,000 aliases of one
+#: upstream with 20,000 models, a 135 KB file, took 12.5 s and 339 MB to refuse, and more
+#: would never end. msgspec checks a length before the entries, so these bound what any file
+#: can expand to (the two largest multiplied: ~10 M names, about a second). Past one: exit 2
+#: naming the list.
+MAX_UPSTREAMS = 1_000
+#: Models an upstream names, as many as the gateway keeps of an upstream's /v1/models.
+MAX_MODELS = 10_000
+MAX_API_KEYS = 100_000
+#: CORS origins, context models, fallback rules and the upstreams of one.
+MAX_ENTRIES = 10_000
 Port = Annotated[int, Meta(ge=0, le=65535)]
 
 
@@ -55,7 +64,9 @@ class ServerSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     stream_send_buffer_bytes: Annotated[int, Meta(ge=0)] = 16 * 1024
     #: Browser origins allowed to call the API (CORS), e.g. `https://app.example.com`; "*" for
     #: any. Empty (the default): no CORS headers, browsers on other origins are refused.
-    cors_origins: list[str] = msgspec.field(default_factory=list)
+    cors_origins: Annotated[list[str], Meta(max_length=MAX_ENTRIES)] = msgspec.field(
+        default_factory=list
+    )
     #: One log line per request (method, path, status, duration, request id) on the
     #: `tokenpipe.access` logger.
     access_log: bool = False
@@ -68,7 +79,9 @@ class ApiKey(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class AuthSettings(Struct, forbid_unknown_fields=True, kw_only=True):
-    api_keys: list[ApiKey] = msgspec.field(default_factory=list)
+    api_keys: Annotated[list[ApiKey], Meta(max_length=MAX_API_KEYS)] = msgspec.field(
+        default_factory=list
+    )
 
 
 class UpstreamSettings(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -89,7 +102,9 @@ class UpstreamSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     #: Name of the environment variable that holds this upstream's API key (never the key itself).
     api_key_env: str | None = None
     #: Models this upstream serves; "*" forwards any model (the upstream's /v1/models is asked).
-    models: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    models: Annotated[list[str], Meta(max_length=MAX_MODELS)] = msgspec.field(
+        default_factory=lambda: ["*"]
+    )
     connect_timeout_seconds: PositiveFloat = 5.0
     #: Longest silence on an open upstream response before it is treated as failed (seconds).
     read_timeout_seconds: PositiveFloat = 300.0
@@ -167,7 +182,9 @@ class ContextSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     summary_max_tokens: PositiveInt = 256
     #: Summaries kept, by hash of the history they summarise (least recently used dropped).
     summary_cache_entries: PositiveInt = 1024
-    models: list[ContextModel] = msgspec.field(default_factory=list)
+    models: Annotated[list[ContextModel], Meta(max_length=MAX_ENTRIES)] = msgspec.field(
+        default_factory=list
+    )
 
 
 class RedisSettings(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -308,7 +325,10 @@ class TailSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     min_samples: PositiveInt = 20
     #: Ordered upstream names per model: the first is tried first, the rest are fallbacks.
     #: Models not named here use every upstream that serves them, in config order.
-    fallbacks: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    fallbacks: Annotated[
+        dict[str, Annotated[list[str], Meta(max_length=MAX_ENTRIES)]],
+        Meta(max_length=MAX_ENTRIES),
+    ] = msgspec.field(default_factory=dict)
 
 
 class LocalSettings(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -331,94 +351,16 @@ class TracingSettings(Struct, forbid_unknown_fields=True, kw_only=True):
 class Settings(Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
-    upstreams: list[UpstreamSettings] = msgspec.field(default_factory=list)
+    upstreams: Annotated[list[UpstreamSettings], Meta(max_length=MAX_UPSTREAMS)] = msgspec.field(
+        default_factory=list
+    )
     limits: LimitsSettings = msgspec.field(default_factory=LimitsSettings)
     #: Quotas by API key name (`auth.api_keys[].name`, or `anonymous` without auth);
     #: the entry "*" applies to every key that has none of its own.
-    keys: dict[str, KeyQuota] = msgspec.field(default_factory=dict)
+    keys: Annotated[dict[str, KeyQuota], Meta(max_length=MAX_API_KEYS + 2)] = msgspec.field(
+        default_factory=dict
+    )
     context: ContextSettings = msgspec.field(default_factory=ContextSettings)
     tail: TailSettings = msgspec.field(default_factory=TailSettings)
     local: LocalSettings = msgspec.field(default_factory=LocalSettings)
     tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
-
-
-class ConfigError(Exception):
-    pass
-
-
-def load(path: str | Path) -> Settings:
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-    try:
-        settings = msgspec.yaml.decode(raw, type=Settings)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    try:
-        check(settings)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    return settings
-
-
-def check(settings: Settings) -> None:
-    """Cross-field rules that types alone cannot say."""
-    _finite(settings, "$")
-    for i, upstream in enumerate(settings.upstreams):
-        problem = url_problem(upstream.url)
-        if problem:
-            raise ConfigError(f"{problem} - at `$.upstreams[{i}].url`")
-        key = upstream.api_key()
-        if key and has_control_characters(key):
-            # Never quoted: it is a secret. A line break in it would forge header lines.
-            raise ConfigError(
-                f"the key in ${upstream.api_key_env} holds a line break or control character,"
-                f" which no header may - at `$.upstreams[{i}].api_key_env`"
-            )
-    names = [u.name for u in settings.upstreams]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ConfigError(f"upstream names must be unique: {', '.join(dupes)} - at `$.upstreams`")
-
-
-def _finite(value: Any, path: str) -> None:
-    """Every number is finite: YAML spells infinity `.inf`, which passes a lower bound and
-    makes a timeout no timeout (or a bucket that never empties)."""
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ConfigError(f"Expected a finite number - at `{path}`")
-    elif isinstance(value, Struct):
-        for name in value.__struct_fields__:
-            _finite(getattr(value, name), f"{path}.{name}")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _finite(item, f"{path}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _finite(item, f"{path}.{key}")
-
-
-#: `--upstream` scheme prefixes naming the API an upstream speaks (a plain URL is OpenAI's).
-API_PREFIXES = {"anthropic+": "anthropic", "openai+": "openai"}
-
-
-def upstream_from_url(url: str, index: int) -> UpstreamSettings:
-    """`serve --upstream URL`: a base URL with or without `/v1`, optionally prefixed by the
-    API it speaks (`anthropic+https://api.anthropic.com/v1`)."""
-    api = "openai"
-    for prefix, name in API_PREFIXES.items():
-        if url.startswith(prefix):
-            api, url = name, url[len(prefix) :]
-    problem = url_problem(url)
-    if problem:
-        raise ConfigError(f"--upstream: {problem}")
-    try:
-        return msgspec.convert(
-            {"name": f"upstream{index}", "url": normalise_base_url(url), "api": api},
-            UpstreamSettings,
-        )
-    except msgspec.ValidationError:
-        raise ConfigError("--upstream: an upstream URL needs http:// or https://") from None
