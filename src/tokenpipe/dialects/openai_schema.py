@@ -34,9 +34,9 @@ ModelName = Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_NAME)]
 
 #: Bodies from this size are parsed with the cyclic collector paused. A parse makes no cycles,
 #: so the collector has nothing to find in it, but every 10,000 containers it makes start a
-#: young collection, and the full ones walk the growing tree: 4 MiB of `[]` (an unread
-#: field) took 166 ms, 76 paused (benchmarks/hostile_cost.py --case body). Below it a body's
-#: few dozen containers cannot start one, and the hot path keeps its two calls fewer.
+#: young collection, and the full ones walk the growing tree: 4 MiB of `[]` in an unread
+#: field took 169 ms to parse and free, 109 paused (the orjson step alone: 133 and 76 ms;
+#: benchmarks/hostile_cost.py --case body). A smaller body makes too few to start one.
 GC_PAUSE_BYTES = 64 * 1024
 
 
