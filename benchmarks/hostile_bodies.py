@@ -145,7 +145,7 @@ def main() -> None:
     if args.base_src:
         targets["base"] = args.base_src
     rounds: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
-    with procs.sim("--port", "0", "--ttft-ms", "0") as sim:
+    with procs.sim("--ttft-ms", "0") as sim:
         for i in range(args.rounds):
             for target, src in targets.items():
                 print(f"  round {i + 1}/{args.rounds}: {target}", flush=True)

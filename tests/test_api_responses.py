@@ -24,6 +24,7 @@ from tests import procs
 from tests.polling import metrics, until
 from tests.responses_events import check_events, check_response, parse, text_of
 from tests.sse_client import unchunk
+from tokenpipe.dialects.openai_schema import MAX_MESSAGES
 
 INSTRUCTIONS = "You are terse."
 QUESTION = "Tell me about pipes."
@@ -476,3 +477,16 @@ def test_the_embedded_model_answers_the_responses_api(tmp_path: Path) -> None:
     final = events[-1]["response"]
     assert text_of(events) == final["output"][0]["content"][0]["text"]
     assert 0 < final["usage"]["output_tokens"] <= 6
+
+
+def test_an_input_past_the_items_bound_is_a_400_either_way(way: tuple[str, Any]) -> None:
+    """10,001 input items are refused at once, natively and translated. Before, a translated
+    request made a chat message of each before chat's bound refused it (140,000 small items
+    in 4 MiB: 89 ms of the event loop), and a native one was passed on with no bound."""
+    _, gateway = way
+    items = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
+    body = {"model": "sim-model", "input": items}
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(gateway).post("/responses", cast_to=object, body=body)
+    error = e.value.body
+    assert isinstance(error, dict) and error["param"] == "input", error

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from msgspec import Meta, Struct
 
 from tokenpipe.dialects.openai_schema import (
+    MAX_MESSAGES,
     ModelName,
     Object,
     Probability,
@@ -39,7 +40,10 @@ class ResponsesRequest(Struct):
     """The fields of a Responses request the gateway reads (the rest is left as sent)."""
 
     model: ModelName
-    input: str | list[Object] | None = None
+    #: Items: as many as a chat request's messages (each item is at most one message). 4 MiB
+    #: holds 140,000 small ones: translated into chat messages (89 ms of the event loop), they
+    #: were refused by chat's bound only then, and passed on natively with no bound at all.
+    input: str | Annotated[list[Object], Meta(max_length=MAX_MESSAGES)] | None = None
     instructions: str | None = None
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
