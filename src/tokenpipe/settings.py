@@ -42,9 +42,9 @@ class ServerSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     #: gets 503 `server_overloaded` with Retry-After. 1 GiB: ~250 bodies of 4 MiB of text.
     max_body_memory_bytes: PositiveInt = 1024 * 1024 * 1024
     #: The share of the event loop one API key's request bodies may take to parse (seconds of
-    #: parse per second, estimated from a body's size and its JSON objects and arrays;
-    #: control/bodies.py). Past it, after a burst of 0.5 s, the key's bodies of 16 KiB and
-    #: more get 429 with Retry-After until its share refills; smaller bodies never do.
+    #: parse per second, estimated from a body's JSON objects and arrays; control/bodies.py).
+    #: Past it, after a burst of 0.5 s, the key's bodies of 10,000 objects and arrays or more
+    #: get 429 with Retry-After until its share refills; other bodies never do.
     max_parse_share_per_key: Annotated[float, Meta(gt=0, le=1)] = 0.25
     #: On SIGTERM, open streams may finish for this long before the process exits (seconds).
     drain_seconds: Annotated[float, Meta(ge=0)] = 30.0

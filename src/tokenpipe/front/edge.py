@@ -64,8 +64,8 @@ async def arrive(request: Request, *, x_api_key: bool = False) -> Arrival:
     server = gw.settings.server
     body = await read_body(request, server.max_body_bytes, server.read_timeout_seconds)
     count = bodies.containers(body)
-    if len(body) >= bodies.PARSE_FREE_BYTES:  # the key's share of the loop, before the parse
-        gw.parsing.charge(key, bodies.parse_seconds(body, count))
+    if count >= bodies.PARSE_FREE_CONTAINERS:  # the key's share of the loop, before the parse
+        gw.parsing.charge(key, bodies.parse_seconds(count))
     # Charged until the handler ends (front/http.py dispatch gives it back).
     request.held = gw.bodies.take(bodies.estimate(body, count))
     return Arrival(started, gw, rid, key, scope, body)
