@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from tests import procs
+from tests.polling import metrics
 from tokenpipe.clock import ManualClock
 from tokenpipe.control import bodies
 from tokenpipe.control.bodies import PARSE_BURST_SECONDS, ParseTime
@@ -99,8 +100,10 @@ async def test_a_key_sending_costly_bodies_is_refused_and_another_key_is_served(
             refused = await post("sk-alice", junk)
             other = await post("sk-bob", junk)
             alice_small = await post("sk-alice", small)
+            counted = await metrics(gw)
     assert statuses == [200] * served_first
     assert refused[0] == 429 and float(refused[1] or 0) > 10, refused[:2]
     assert orjson.loads(refused[2])["error"]["code"] == "rate_limit_exceeded"
     assert other[0] == 200  # bob's share is his own
     assert alice_small[0] == 200  # a body of few containers is never charged
+    assert counted['tokenpipe_admission_rejected_total{reason="parse"}'] == 1
