@@ -22,7 +22,8 @@ PositiveInt = Annotated[int, Meta(gt=0)]
 #: can expand to (the two largest multiplied: 10 M names, 3.1 s and 100 MB). Past one: exit 2
 #: naming the list.
 MAX_UPSTREAMS = 1_000
-#: Models an upstream names, as many as the gateway keeps of an upstream's /v1/models.
+#: Models an upstream names in a config, and ids kept of an upstream's /v1/models
+#: (upstream/http.py says why 10,000).
 MAX_MODELS = 10_000
 MAX_API_KEYS = 100_000
 #: CORS origins, context models, fallback rules and the upstreams of one.

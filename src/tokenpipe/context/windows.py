@@ -18,7 +18,8 @@ from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.flight import SingleFlight
-from tokenpipe.upstream.http import MAX_MODELS, MODELS_RETRY, HttpUpstream
+from tokenpipe.settings import MAX_MODELS
+from tokenpipe.upstream.http import MODELS_RETRY, HttpUpstream
 
 log = logging.getLogger("tokenpipe.context")
 

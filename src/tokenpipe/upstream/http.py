@@ -23,7 +23,7 @@ from tokenpipe.control.pacing import PACE_HEADER
 from tokenpipe.errors import GatewayError
 from tokenpipe.flight import SingleFlight
 from tokenpipe.log_budget import LogBudget
-from tokenpipe.settings import UpstreamSettings
+from tokenpipe.settings import MAX_MODELS, UpstreamSettings
 from tokenpipe.upstream import h1
 from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
 from tokenpipe.upstream.responses_probe import ResponsesProbe, verdict
@@ -51,12 +51,12 @@ PROTOCOL_ERROR = "upstream_protocol_error"
 #: Characters of a model id kept from an upstream's /models: a client's bound on a model
 #: name (dialects/openai_schema.py, MAX_MODEL_NAME).
 MAX_MODEL_ID = 256
-#: Model ids kept from one upstream's /models: its first ones, in its order; the entries past
-#: them are ignored (one log line an hour per upstream, `_OVER_MAX_MODELS`). The largest real
-#: lists are far below (OpenRouter ~500, Together ~200, a vLLM or llama.cpp a few); a 4 MiB
-#: answer (MAX_MODELS_BYTES) holds 100,000 short ids: 31 MiB kept, and the gateway's own
-#: GET /v1/models rendered all of them.
-MAX_MODELS = 10_000
+# Model ids kept from one upstream's /models, MAX_MODELS (settings.py, where a config's list
+# of an upstream's models has the same bound): its first ones, in its order; the entries past
+# them are ignored (one log line an hour per upstream, `_OVER_MAX_MODELS`). The largest real
+# lists are far below (OpenRouter ~500, Together ~200, a vLLM or llama.cpp a few); a 4 MiB
+# answer (MAX_MODELS_BYTES) holds 100,000 short ids: 31 MiB kept, and the gateway's own
+# GET /v1/models rendered all of them.
 #: The fixed headers of a completion request (the body is always JSON, possibly a stream).
 _ACCEPT_POST = "content-type: application/json\r\naccept: text/event-stream\r\n"
 
