@@ -24,6 +24,12 @@ interleaved, medians:
   objects (`{}`), or whose text message comes with an unread field of n bytes of `[]`. The
   same bytes cost up to ~30x more as small containers than as text: the shapes a client with
   a valid key can make the event loop parse.
+- `event: READER, FIELD`: one upstream event of n bytes through a stream's reader
+  (relay/events.py EventParser and the dialect), its bytes mostly `[]`s in one field: a
+  field the reader does not read (`unread`), one it only tests or passes on (`logprobs`),
+  or an object it reads whole (`usage`). READER: `chat`, `messages` and `responses` are the
+  native readers; `messages via chat` and `responses via chat` translate a chat upstream's
+  chunks, `chat via messages` an Anthropic upstream's events (dialects/event_json.py).
 JSON in results/hostile_cost.json.
 """
 
@@ -49,6 +55,13 @@ CASES = {
     "body: text parts": 2 << 20,
     "body: {} parts": 2 << 20,
     "body: [] unread": 2 << 20,
+    "event: chat, logprobs": 2 << 20,
+    "event: chat, usage": 2 << 20,
+    "event: messages, usage": 2 << 20,
+    "event: responses, logprobs": 2 << 20,
+    "event: messages via chat, unread": 2 << 20,
+    "event: responses via chat, unread": 2 << 20,
+    "event: chat via messages, unread": 2 << 20,
 }
 
 _CHILD = r"""
@@ -155,9 +168,59 @@ def body(shape, n):
         pass
     return time.process_time() - t
 
+def event(reader, where, n):
+    from tokenpipe import serving
+    from tokenpipe.dialects.anthropic import MESSAGES
+    from tokenpipe.dialects.chat_via_messages import ChatViaMessages
+    from tokenpipe.dialects.messages_via_chat import MessagesViaChat
+    from tokenpipe.dialects.openai import CHAT
+    from tokenpipe.dialects.responses import RESPONSES
+    from tokenpipe.dialects.responses_chat import ResponsesViaChat
+
+    junk = b"[" + b",".join([b"[]"] * (n // 3)) + b"]"
+    req = {"model": "m", "max_tokens": 10, "stream": True,
+           "messages": [{"role": "user", "content": "hi"}]}
+    if reader in ("chat", "messages via chat", "responses via chat"):
+        choice = b'{"index":0,"delta":{"content":"hi"},"finish_reason":null'
+        if where == "logprobs":
+            choice += b',"logprobs":{"content":' + junk + b"}"
+        data = b'{"id":"c","model":"m","choices":[' + choice + b"}]"
+        data += {"usage": b',"usage":{"prompt_tokens":1,"x":' + junk + b"}",
+                 "unread": b',"x":' + junk}.get(where, b"") + b"}"
+        body = b"data: " + data + b"\n\n"
+    elif reader in ("messages", "chat via messages"):
+        if where == "usage":
+            data = b'{"type":"message_delta","delta":{},"usage":{"x":' + junk + b"}}"
+            body = b"event: message_delta\ndata: " + data + b"\n\n"
+        else:
+            data = (b'{"type":"content_block_delta","index":0,'
+                    b'"delta":{"type":"text_delta","text":"hi"},"x":' + junk + b"}")
+            body = b"event: content_block_delta\ndata: " + data + b"\n\n"
+    else:
+        data = (b'{"type":"response.output_text.delta","output_index":0,"content_index":0,'
+                b'"delta":"hi","logprobs":' + junk + b"}")
+        body = b"event: response.output_text.delta\ndata: " + data + b"\n\n"
+    dialect = {
+        "chat": lambda: CHAT,
+        "messages via chat": lambda: MessagesViaChat(req).for_stream(),
+        "responses via chat":
+            lambda: ResponsesViaChat({"model": "m", "input": "hi", "stream": True}).for_stream(),
+        "messages": lambda: MESSAGES.for_stream(),
+        "chat via messages": lambda: ChatViaMessages(req).for_stream(),
+        "responses": lambda: RESPONSES.for_stream(),
+    }[reader]()
+    p = parser(dialect)
+    serving.settle_heap()
+    t = time.process_time()
+    assert p.feed(body) and p.fault is None
+    return time.process_time() - t
+
 case, n = sys.argv[1], int(sys.argv[2])
 if case.startswith("body: "):
     print(json.dumps(body(case[6:], n)))
+    sys.exit()
+if case.startswith("event: "):
+    print(json.dumps(event(*case[7:].split(", "), n)))
     sys.exit()
 fn = {"sse event": sse_event, "tool calls": tool_calls, "tool results": tool_results,
       "responses text": responses_text, "pool waiters": pool_waiters}[case]
@@ -195,13 +258,14 @@ def main() -> None:
             seconds[(target, case, n)].append(_run(targets[target], case, n))
     med = {r: statistics.median(v) for r, v in seconds.items()}
     print("\nCPU seconds for n and 2n (median), and their ratio (2: linear, 4: quadratic)")
-    print(f"{'case':<16}{'n':>10} {'target':<11}{'n':>10}{'2n':>10}{'2n/n':>7}")
+    w = max(16, *(len(c) + 1 for c in cases))  # the event cases' names run to 34
+    print(f"{'case':<{w}}{'n':>9} {'target':<10}{'n':>7}{'2n':>7}{'2n/n':>6}")
     rows = []
     for case, n in cases.items():
         for target in targets:
             one, two = med[(target, case, n)], med[(target, case, 2 * n)]
             ratio = two / one if one > 0 else float("nan")
-            print(f"{case:<16}{n:>10} {target:<11}{one:>10.3f}{two:>10.3f}{ratio:>7.1f}")
+            print(f"{case:<{w}}{n:>9} {target:<10}{one:>7.3f}{two:>7.3f}{ratio:>6.1f}")
             rows.append({"case": case, "n": n, "target": target, "n_s": one, "2n_s": two})
     write_json(args.json, "hostile_cost", args, rows=rows)
 

@@ -21,6 +21,7 @@ import orjson
 
 from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.event_json import ABSENT, lenient, object_of, raw_object
 from tokenpipe.errors import GatewayError
 from tokenpipe.usage import MAX_COUNT
 
@@ -51,8 +52,9 @@ def error_json(error: GatewayError) -> bytes:
     return orjson.dumps({"type": "error", "error": {"type": kind, "message": error.message}})
 
 
-# The fields of an event the relay acts on; one struct for both deltas (a content block's and
-# the message's). Any other shape fails validation and takes the general path.
+# The fields of an event the relay acts on (event_json.py: what is Raw and why); one struct
+# for both deltas (a content block's and the message's). Any other shape fails validation and
+# takes the lenient path.
 class _Delta(msgspec.Struct):
     type: str | None = None
     text: str | None = None
@@ -62,16 +64,16 @@ class _Delta(msgspec.Struct):
 
 
 class _Message(msgspec.Struct):
-    usage: dict[str, Any] | None = None
+    usage: msgspec.Raw = ABSENT
 
 
 class _Event(msgspec.Struct):
     type: str = ""
     index: int | None = None
     delta: _Delta | None = None
-    usage: dict[str, Any] | None = None
+    usage: msgspec.Raw = ABSENT
     message: _Message | None = None
-    error: Any = None
+    error: msgspec.Raw = ABSENT
 
 
 _decode = msgspec.json.Decoder(_Event).decode
@@ -153,16 +155,16 @@ class MessagesDialect(Dialect):
             return piece, None
         piece = Piece(raw)
         if kind == "message_start":
-            usage = ev.message.usage if ev.message is not None else None
+            usage = object_of(ev.message.usage) if ev.message is not None else None
         elif kind == "message_delta":
-            usage = ev.usage
+            usage = object_of(ev.usage)
             reason = ev.delta.stop_reason if ev.delta is not None else None
             if reason:  # Anthropic's own value (end_turn, max_tokens, tool_use, ...)
                 piece.finish_reason = reason
         elif kind == "message_stop":
             piece.end = True
         elif kind == "error":
-            piece.error = ev.error if isinstance(ev.error, dict) else {"type": "api_error"}
+            piece.error = object_of(ev.error) or {"type": "api_error"}
             piece.end = True
         if usage is not None:
             piece.usage = openai_usage(usage)
@@ -245,26 +247,20 @@ class CountTokensDialect(MessagesDialect):
 
 
 def _general(data: bytes) -> _Event:
-    """An event of a shape the typed decode refused, read from its dict: fields of
-    unexpected types are not acted on (the event is still passed on as it came)."""
-    try:
-        obj = orjson.loads(data)
-    except (orjson.JSONDecodeError, RecursionError):  # e.g. 1e999: not a double
-        raise _fault(_NOT_JSON) from None
-    if type(obj) is not dict:
-        raise _fault("upstream sent an event that is not a JSON object")
-    ev = _Event(type=_str(obj.get("type")) or "", error=obj.get("error"))
+    """An event of a shape the typed decode refused, read from its dict (event_json.lenient):
+    fields of unexpected types are not acted on (the event is still passed on as it came)."""
+    obj = lenient(data)
+    ev = _Event(type=_str(obj.get("type")) or "", error=raw_object(obj.get("error")))
     index = obj.get("index")
     if type(index) is int:
         ev.index = index
     delta = obj.get("delta")
     if isinstance(delta, dict):
         ev.delta = _Delta(**{f: _str(delta.get(f)) for f in _Delta.__struct_fields__})
-    if isinstance(obj.get("usage"), dict):
-        ev.usage = obj["usage"]
+    ev.usage = raw_object(obj.get("usage"))
     message = obj.get("message")
-    if isinstance(message, dict) and isinstance(message.get("usage"), dict):
-        ev.message = _Message(message["usage"])
+    if isinstance(message, dict):
+        ev.message = _Message(raw_object(message.get("usage")))
     return ev
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenpipe import sse
+from tokenpipe.dialects.event_json import MAX_TEMPLATE_BYTES
 from tokenpipe.errors import GatewayError
 from tokenpipe.settings import UpstreamSettings
 
@@ -72,11 +73,14 @@ class Piece:
     def mergeable(self) -> bool:
         """Parses the piece the first time it is asked (only a queued piece is). May raise
         sse.SSEProtocolError: the dialect's typed read skips fields it does not act on, and a
-        broken value there shows only now (see the dialect's `template`)."""
+        broken value there shows only now (see the dialect's `template`). An event over
+        MAX_TEMPLATE_BYTES is not parsed (its cost: event_json.py) and never merges."""
         if self.may_merge:
             self.may_merge = False
             assert self.raw is not None and self.dialect is not None
-            found = self.dialect.template(self.raw)
+            found = None
+            if len(self.raw) <= MAX_TEMPLATE_BYTES:
+                found = self.dialect.template(self.raw)
             if found is not None:
                 self.template, self.kind = found
             else:

@@ -15,13 +15,15 @@ message id, which block is which tool call, whether usage was asked for).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypedDict
 
+import msgspec
 import orjson
 
 from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.chat_request import tool_call
+from tokenpipe.dialects.event_json import lenient, not_json, object_of
 from tokenpipe.dialects.messages_request import messages_request
 from tokenpipe.dialects.openai import CHAT
 from tokenpipe.usage import count
@@ -57,6 +59,61 @@ def finish_reason(stop: Any) -> str | None:
     if not isinstance(stop, str):
         return None
     return _STOP.get(stop, "stop")
+
+
+# A Messages event as the translation reads it: the fields it turns into chat chunks, and
+# nothing else (event_json.py). TypedDicts, so a decoded event is the plain dict a whole parse
+# gives, holding only these keys, read with `.get` and type checks either way.
+class _Block(TypedDict, total=False):
+    type: str | None
+    id: str | None
+    name: str | None
+
+
+class _Message(TypedDict, total=False):
+    id: str | None
+    model: str | None
+    usage: msgspec.Raw  # objects built only when small: event_json.object_of
+
+
+class _Delta(TypedDict, total=False):
+    type: str | None
+    text: str | None
+    thinking: str | None
+    partial_json: str | None
+    stop_reason: str | None
+
+
+class _Event(TypedDict, total=False):
+    type: str | None
+    index: int | None
+    message: _Message | None
+    content_block: _Block | None
+    delta: _Delta | None
+    usage: msgspec.Raw
+    error: msgspec.Raw
+
+
+_decode = msgspec.json.Decoder(_Event).decode
+
+
+def _read_event(data: bytes) -> dict[str, Any]:
+    """The event's fields the translation reads, objects built (or None); raises
+    sse.SSEProtocolError when it is not JSON, not an object, or (over
+    event_json.MAX_LENIENT_BYTES) not of this shape."""
+    try:
+        obj: dict[str, Any] = _decode(data)  # type: ignore[assignment]  # (a TypedDict)
+    except msgspec.ValidationError:
+        return lenient(data)
+    except (msgspec.DecodeError, RecursionError):
+        raise not_json() from None
+    if "usage" in obj:
+        obj["usage"] = object_of(obj["usage"])
+    if "error" in obj:
+        obj["error"] = object_of(obj["error"])
+    if "message" in obj and obj["message"] is not None and "usage" in obj["message"]:
+        obj["message"]["usage"] = object_of(obj["message"]["usage"])
+    return obj
 
 
 class ChatViaMessages(Dialect):
@@ -107,12 +164,7 @@ class ChatViaMessages(Dialect):
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
     ) -> Piece | None:
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
-        if not isinstance(obj, dict):
-            raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+        obj = _read_event(data)
         kind = obj.get("type") or event
         if kind == "message_start":
             msg = obj.get("message") or {}

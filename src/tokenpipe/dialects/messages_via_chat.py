@@ -19,6 +19,7 @@ import orjson
 from tokenpipe import sse
 from tokenpipe.dialects.anthropic import ERROR_TYPES
 from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.chat_chunk import read_chunk
 from tokenpipe.dialects.chat_request import chat_request
 from tokenpipe.errors import GatewayError
 from tokenpipe.usage import count
@@ -130,12 +131,7 @@ class MessagesViaChat(Dialect):
             piece = Piece(out + _event("message_delta", end) + _event("message_stop", {}))
             piece.end = True
             return piece
-        try:
-            obj = orjson.loads(data)
-        except (orjson.JSONDecodeError, RecursionError):
-            raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
-        if not isinstance(obj, dict):
-            raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+        obj = read_chunk(data)
         if isinstance(obj.get("error"), dict):
             err = obj["error"]
             body = anthropic_error(502, str(err.get("message") or "upstream error"))

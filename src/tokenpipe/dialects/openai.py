@@ -14,6 +14,15 @@ import orjson
 
 from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.event_json import (
+    ABSENT,
+    MAX_LENIENT_BYTES,
+    Opaque,
+    is_null,
+    lenient,
+    object_of,
+    says_something,
+)
 from tokenpipe.settings import UpstreamSettings
 
 
@@ -40,34 +49,35 @@ def _choices_have_content(choices: list[dict[str, Any]]) -> bool:
     return False
 
 
-# The fields of a streamed chunk the relay acts on. Events of any other shape fail validation
-# and take the general path (`_general`).
+# The fields of a streamed chunk the relay acts on (event_json.py: what is Raw and why).
+# Events of any other shape fail validation and take the lenient path (`_general`).
 class _Delta(msgspec.Struct):
     role: str | None = None
     content: str | None = None
-    tool_calls: Any = None
+    tool_calls: msgspec.Raw = ABSENT
     reasoning_content: str | None = None
     reasoning: str | None = None
-    function_call: Any = None
+    function_call: msgspec.Raw = ABSENT
 
 
 class _Choice(msgspec.Struct):
     delta: _Delta | None = None
     text: str | None = None
     finish_reason: str | None = None
-    logprobs: Any = None
+    logprobs: Opaque | None = None
 
 
 class _Chunk(msgspec.Struct):
     choices: list[_Choice] | None = None
-    usage: dict[str, Any] | msgspec.UnsetType | None = msgspec.UNSET
-    error: Any = None
+    usage: msgspec.Raw = ABSENT
+    error: msgspec.Raw = ABSENT
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
-UNSET = msgspec.UNSET
 _NOT_VALID_JSON = "upstream sent an event that is not valid JSON"
-_NULL_USAGE = b',"usage":null'
+#: `"usage":null` as OpenAI-compatible servers write it after the choices: compactly, or with
+#: the spaces of Python's json.dumps.
+_NULL_USAGES = (b',"usage":null', b', "usage": null')
 
 
 def _fault(why: str) -> sse.SSEProtocolError:
@@ -80,7 +90,13 @@ def _has_content(choices: list[_Choice]) -> bool:
         if d is None:
             if c.text:
                 return True
-        elif d.content or d.tool_calls or d.reasoning_content or d.reasoning or d.function_call:
+        elif (
+            d.content
+            or says_something(d.tool_calls)
+            or d.reasoning_content
+            or d.reasoning
+            or says_something(d.function_call)
+        ):
             return True
     return False
 
@@ -109,15 +125,15 @@ class OpenAIDialect(Dialect):
         """A decoded chunk -> its piece. `raw`: the event's bytes as read, if they are
         exactly `data: <data>\\n\\n` (saves rebuilding them)."""
         usage = None
-        if c.usage is not UNSET:
-            usage = c.usage or None
+        if c.usage is not ABSENT:  # present, if only as null
+            usage = object_of(c.usage) or None
             if strip_usage:
                 if not c.choices:  # the usage-only chunk the client did not ask for
                     return _hidden(usage)
-                # `"usage":null` is there only because we asked for usage. OpenAI-compatible
-                # servers write it compactly after the choices; cutting the bytes saves a
-                # re-serialisation.
-                if raw is not None and len(cut := raw.replace(_NULL_USAGE, b"", 1)) != len(raw):
+                # `"usage":null` is there only because we asked for usage. Cutting its bytes
+                # saves a re-serialisation.
+                cut = _cut_null_usage(raw) if raw is not None else None
+                if cut is not None:
                     raw, data = cut, cut[6:-2]
                 else:
                     stripped = _without_usage(data)
@@ -130,8 +146,9 @@ class OpenAIDialect(Dialect):
         if not choices:
             piece = Piece(raw)
             piece.usage = usage
-            if isinstance(c.error, dict):
-                piece.error = c.error
+            error = object_of(c.error)
+            if error is not None:
+                piece.error = error
                 piece.end = True
             return piece
         first = choices[0]
@@ -148,8 +165,8 @@ class OpenAIDialect(Dialect):
                         piece.may_merge, piece.kind, piece.dialect = True, "text", self
                     elif (
                         delta.role is None
-                        and delta.tool_calls is None
-                        and delta.function_call is None
+                        and (delta.tool_calls is ABSENT or is_null(delta.tool_calls))
+                        and (delta.function_call is ABSENT or is_null(delta.function_call))
                         and delta.reasoning_content is None
                         and delta.reasoning is None
                     ):
@@ -164,12 +181,7 @@ class OpenAIDialect(Dialect):
     def _general(self, data: bytes, strip_usage: bool) -> Piece | None:
         """A JSON event of a shape the typed decode refused: judged on the dict. Fields of
         unexpected types are passed through, not acted on."""
-        try:
-            obj = orjson.loads(data)
-        except (orjson.JSONDecodeError, RecursionError):  # e.g. 1e999: not a double
-            raise _fault(_NOT_VALID_JSON) from None
-        if type(obj) is not dict:
-            raise _fault("upstream sent an event that is not a JSON object")
+        obj = lenient(data)
         data = _one_line(data)
         choices = obj.get("choices")
         if not (isinstance(choices, list) and all(type(c) is dict for c in choices)):
@@ -342,11 +354,24 @@ def _one_line(data: bytes) -> bytes:
     return data.replace(b"\n", b" ") if b"\n" in data else data
 
 
+def _cut_null_usage(raw: bytes) -> bytes | None:
+    """`raw` without its `"usage":null` as servers write it, None if not written so."""
+    for null in _NULL_USAGES:
+        cut = raw.replace(null, b"", 1)
+        if len(cut) != len(raw):
+            return cut
+    return None
+
+
 def _without_usage(data: bytes) -> bytes | None:
     """The chunk without its `usage`; None if orjson cannot read or write it (msgspec skips
-    the fields it does not decode without checking their numbers or depth)."""
-    cut = data.replace(_NULL_USAGE, b"", 1)
-    if len(cut) == len(data):
+    the fields it does not decode without checking their numbers or depth). A chunk over
+    MAX_LENIENT_BYTES keeps its usage: parsing it whole would cost the loop what it holds
+    (event_json.py), and a usage the client did not ask for is an extra field, not a loss."""
+    cut = _cut_null_usage(data)
+    if cut is None and len(data) > MAX_LENIENT_BYTES:
+        return data
+    if cut is None:
         try:
             obj = orjson.loads(data)
             del obj["usage"]

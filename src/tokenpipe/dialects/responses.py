@@ -25,35 +25,47 @@ import orjson
 
 from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.event_json import (
+    ABSENT,
+    lenient,
+    object_of,
+    raw_object,
+    says_something,
+)
 from tokenpipe.errors import GatewayError
 
 TEXT_DELTA = "response.output_text.delta"
 #: Terminal events -> the finish reason the relay records (failed: an error instead).
 _FINISHED = {"response.completed": "stop", "response.incomplete": "length"}
+#: `"logprobs": []`, as OpenAI writes it in every text delta (a Raw compares in C).
+_NO_LOGPROBS = msgspec.Raw(b"[]")
 _EVENT_TEXT_DELTA = b"event: " + TEXT_DELTA.encode() + b"\ndata: "
 
 
 # Only the fields the relay acts on are decoded (msgspec skips the rest, e.g. a completed
-# response's whole output); anything typed oddly takes the lenient path (`_lenient`).
+# response's whole output; event_json.py: what is Raw and why); anything typed otherwise
+# takes the lenient path (`_lenient`).
 class _Response(msgspec.Struct):
-    status: Any = None
-    usage: Any = None
-    error: Any = None
-    incomplete_details: Any = None
+    usage: msgspec.Raw = ABSENT
+    error: msgspec.Raw = ABSENT
+
+
+class _Opaque(msgspec.Struct):
+    """An object the relay passes on without reading it (a shell call's output delta)."""
 
 
 class _Event(msgspec.Struct):
     type: str = ""
-    delta: Any = None
-    output_index: Any = None
-    content_index: Any = None
-    logprobs: Any = None
-    sequence_number: Any = None
+    delta: str | _Opaque | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+    logprobs: msgspec.Raw = ABSENT
+    sequence_number: int | None = None
     response: _Response | None = None
-    code: Any = None
-    message: Any = None
-    param: Any = None
-    error: Any = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+    error: msgspec.Raw = ABSENT
 
 
 _decode = msgspec.json.Decoder(_Event).decode
@@ -75,9 +87,7 @@ def chat_usage(usage: Any) -> dict[str, Any] | None:
 
 def error_of(e: _Event) -> dict[str, Any]:
     """The error of an `error` event: the spec's flat fields, or an `error` object inside."""
-    if isinstance(e.error, dict):
-        return e.error
-    return {"message": e.message, "code": e.code, "param": e.param}
+    return object_of(e.error) or {"message": e.message, "code": e.code, "param": e.param}
 
 
 def encode_event(obj: dict[str, Any]) -> bytes:
@@ -136,17 +146,18 @@ class ResponsesDialect(Dialect):
             raw = (b"event: " + event.encode() + b"\ndata: " if event else b"data: ") + data
             raw += b"\n\n"
         seq = e.sequence_number
-        if type(seq) is int and seq > self.last_seq:
+        if seq is not None and seq > self.last_seq:
             self.last_seq = seq
         kind = e.type
         if kind.endswith(".delta"):
             text = e.delta if kind == TEXT_DELTA and isinstance(e.delta, str) else ""
             piece = Piece(raw, [text])
+            lp = e.logprobs
             if (
                 text
-                and not e.logprobs
-                and type(e.output_index) is int
-                and type(e.content_index) is int
+                and (lp == _NO_LOGPROBS or lp is ABSENT or not says_something(lp))
+                and e.output_index is not None
+                and e.content_index is not None
             ):
                 piece.may_merge, piece.dialect = True, self
                 piece.kind = f"t{e.output_index}.{e.content_index}"
@@ -155,10 +166,10 @@ class ResponsesDialect(Dialect):
         if kind in _FINISHED or kind == "response.failed":
             resp = e.response
             if resp is not None:
-                piece.usage = chat_usage(resp.usage)
+                piece.usage = chat_usage(object_of(resp.usage))
             if kind == "response.failed":
-                err = resp.error if resp is not None else None
-                piece.error = err if isinstance(err, dict) else {"message": "response failed"}
+                err = object_of(resp.error) if resp is not None else None
+                piece.error = err or {"message": "response failed"}
             else:
                 piece.finish_reason = _FINISHED[kind]
             piece.end = True
@@ -269,31 +280,37 @@ def render_text_delta(template: dict[str, Any], text: str) -> bytes:
 
 
 def _lenient(data: bytes) -> _Event:
-    """An event whose fields are typed oddly: what can be read of it (the rest is passed on
-    as it came, not acted on)."""
-    try:
-        obj = orjson.loads(data)
-    except (orjson.JSONDecodeError, RecursionError):
-        raise sse.SSEProtocolError("upstream sent an event that is not valid JSON") from None
-    if type(obj) is not dict:
-        raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
-    kind = obj.get("type")
-    resp = obj.get("response")
+    """An event whose fields are typed otherwise (event_json.lenient): what can be read of it
+    (the rest is passed on as it came, not acted on)."""
+    obj = lenient(data)
+    kind, delta, resp = obj.get("type"), obj.get("delta"), obj.get("response")
     return _Event(
         type=kind if isinstance(kind, str) else "",
-        delta=obj.get("delta"),
-        output_index=obj.get("output_index"),
-        content_index=obj.get("content_index"),
-        logprobs=obj.get("logprobs"),
-        sequence_number=obj.get("sequence_number"),
-        response=_Response(resp.get("status"), resp.get("usage"), resp.get("error"))
+        delta=delta if isinstance(delta, str) else _Opaque() if delta is not None else None,
+        output_index=_int(obj.get("output_index")),
+        content_index=_int(obj.get("content_index")),
+        logprobs=_SOME if obj.get("logprobs") else ABSENT,
+        sequence_number=_int(obj.get("sequence_number")),
+        response=_Response(raw_object(resp.get("usage")), raw_object(resp.get("error")))
         if isinstance(resp, dict)
         else None,
-        code=obj.get("code"),
-        message=obj.get("message"),
-        param=obj.get("param"),
-        error=obj.get("error"),
+        code=_str(obj.get("code")),
+        message=_str(obj.get("message")),
+        param=_str(obj.get("param")),
+        error=raw_object(obj.get("error")),
     )
+
+
+def _int(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+#: A Raw field that says something, for the lenient read of one only tested for that.
+_SOME = msgspec.Raw(b"true")
 
 
 RESPONSES = ResponsesDialect()

@@ -27,6 +27,7 @@ import orjson
 
 from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
+from tokenpipe.dialects.chat_chunk import read_chunk
 from tokenpipe.dialects.openai import CHAT, ChatDialect
 from tokenpipe.dialects.responses import encode_event, error_payload, render_text_delta
 from tokenpipe.dialects.responses_output import (
@@ -132,12 +133,7 @@ class _Translation(Dialect):
     def _read(self, data: bytes) -> Piece | None:
         if data == sse.DONE:
             return self._end()
-        try:
-            obj = orjson.loads(data)
-        except (orjson.JSONDecodeError, RecursionError):
-            raise sse.SSEProtocolError("upstream sent an event that is not valid JSON") from None
-        if type(obj) is not dict:
-            raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+        obj = read_chunk(data)
         if self.model is None and isinstance(obj.get("model"), str):
             self.model = obj["model"]
         usage = obj.get("usage")

@@ -1,0 +1,101 @@
+"""An upstream's event, read for the fields a reader acts on, at the cost of its bytes.
+
+An upstream may send any JSON in an event of up to 4 MiB (sse.py). Parsed whole, JSON costs
+what it builds, not what it weighs: an event with a 4 MiB field of `[]`s took orjson 170-240
+ms of the event loop, held from every other stream (benchmarks/hostile_cost.py `event:`).
+msgspec, decoding into a type of the fields a reader reads, skips the rest in C without
+building anything: 8 ms for the same event. So each reader decodes into a type:
+- fields that are only passed on or tested for presence (`tool_calls` where only their
+  presence counts) are `msgspec.Raw`: the JSON as sent, never built; an object passed on
+  (chat's `logprobs`) is an `Opaque` struct, whose fields are skipped;
+- objects the gateway reads whole (`usage`, `error`) are `Raw` too, and built by `object_of`
+  only up to MAX_VALUE_BYTES (a real one is under 1 KiB);
+- the rest (text, reasons, indexes) typed as the API says.
+
+An event whose fields have other types than these fails the typed decode; the reader then
+reads it `lenient`ly, parsed whole, taking what it can and passing the rest on. Since that
+builds every object, it is done only up to MAX_LENIENT_BYTES; a larger event of an unexpected
+shape ends the stream as a protocol error (never a complete-looking answer with a piece
+missing). Real events of that size are long text or a finished Response's output, which
+their type reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import orjson
+
+from tokenpipe import answer_fields, sse
+
+#: Largest event read whole when its typed decode fails (bytes); see the module docstring.
+#: 64 KiB of the costliest JSON (`[]`s) parses in ~2.6 ms.
+MAX_LENIENT_BYTES = 64 * 1024
+#: Largest event a merged one is rebuilt from (Piece.mergeable parses it whole): a larger
+#: content delta is passed on as it came, unmerged.
+MAX_TEMPLATE_BYTES = MAX_LENIENT_BYTES
+
+#: A Raw field's default: msgspec gives this very object for a field the event leaves out, so
+#: `field is ABSENT` is the per-event test.
+ABSENT = msgspec.Raw()
+NULL = msgspec.Raw(b"null")
+#: Raw JSON that is absent, null or empty: a field that says nothing.
+_NOTHING = (b"", b"null", b"[]", b"{}", b'""', b"false", b"0")
+
+
+def not_json() -> sse.SSEProtocolError:
+    return sse.SSEProtocolError("upstream sent an event that is not valid JSON")
+
+
+def lenient(data: bytes) -> dict[str, Any]:
+    """The event parsed whole, for a reader whose typed decode refused it; raises
+    sse.SSEProtocolError past MAX_LENIENT_BYTES, or when it is not a JSON object."""
+    if len(data) > MAX_LENIENT_BYTES:
+        raise sse.SSEProtocolError(
+            f"upstream sent an event of {len(data)} bytes with a field of an unexpected type"
+            f" (events over {MAX_LENIENT_BYTES} bytes are read only in the API's shape)"
+        )
+    try:
+        obj = orjson.loads(data)
+    except (orjson.JSONDecodeError, RecursionError):  # e.g. 1e999: not a double
+        raise not_json() from None
+    if type(obj) is not dict:
+        raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+    return obj
+
+
+def object_of(raw: msgspec.Raw) -> dict[str, Any] | None:
+    """A Raw field's value if it is a JSON object of at most MAX_VALUE_BYTES, else None."""
+    if memoryview(raw)[:1] != b"{":  # absent, null or not an object (a view: no copy)
+        return None
+    value = answer_fields.value(raw)
+    return value if type(value) is dict else None
+
+
+def raw_object(value: Any) -> msgspec.Raw:
+    """An object of a `lenient` read as the Raw field the typed read gives: ABSENT when it
+    is not an object (or nests deeper than orjson writes)."""
+    if type(value) is not dict:
+        return ABSENT
+    try:
+        return msgspec.Raw(orjson.dumps(value))
+    except orjson.JSONEncodeError:
+        return ABSENT
+
+
+class Opaque(msgspec.Struct, gc=False):
+    """An object passed on unread: msgspec skips its fields and builds nothing of them. Cheaper
+    to test per event than a Raw (`is None`) where the API's value is an object or null."""
+
+
+def is_null(raw: msgspec.Raw) -> bool:
+    """A Raw field that is absent or null."""
+    return raw is ABSENT or raw == NULL
+
+
+def says_something(raw: msgspec.Raw) -> bool:
+    """A Raw field's presence as a decoded value's truth: absent, null and empty are False.
+    Whitespace inside (`[ ]`) counts as something, which only a pretty-printing upstream
+    writes; a reader acting on it then treats the field as set."""
+    return raw is not ABSENT and (len(raw) > 5 or bytes(raw) not in _NOTHING)
