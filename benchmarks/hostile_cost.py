@@ -30,6 +30,9 @@ interleaved, medians:
   or an object it reads whole (`usage`). READER: `chat`, `messages` and `responses` are the
   native readers; `messages via chat` and `responses via chat` translate a chat upstream's
   chunks, `chat via messages` an Anthropic upstream's events (dialects/event_json.py).
+- `answer: READER, FIELD`: a non-streamed answer of n bytes that a translation reads whole
+  (up to 4 MiB, front/answer.py), its bytes in an unread field or a tool call's input
+  (Messages) or arguments (chat).
 JSON in results/hostile_cost.json.
 """
 
@@ -62,6 +65,11 @@ CASES = {
     "event: messages via chat, unread": 2 << 20,
     "event: responses via chat, unread": 2 << 20,
     "event: chat via messages, unread": 2 << 20,
+    "answer: messages via chat, unread": 2 << 20,
+    "answer: responses via chat, unread": 2 << 20,
+    "answer: chat via messages, unread": 2 << 20,
+    "answer: messages via chat, tool": 2 << 20,
+    "answer: chat via messages, tool": 2 << 20,
 }
 
 _CHILD = r"""
@@ -215,7 +223,38 @@ def event(reader, where, n):
     assert p.feed(body) and p.fault is None
     return time.process_time() - t
 
+def answer(reader, where, n):
+    from tokenpipe import serving
+    from tokenpipe.dialects.chat_via_messages import ChatViaMessages
+    from tokenpipe.dialects.messages_via_chat import MessagesViaChat
+    from tokenpipe.dialects.responses_chat import ResponsesViaChat
+
+    junk = b"[" + b",".join([b"[]"] * (n // 3)) + b"]"
+    req = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+    unread = b',"x":' + junk if where == "unread" else b""
+    if reader == "chat via messages":
+        tool = b'{"x":' + junk + b"}" if where == "tool" else b"{}"
+        body = (b'{"id":"m","model":"m","content":[{"type":"text","text":"hi"},{"type":"tool_use",'
+                b'"id":"t","name":"f","input":' + tool + b'}],"stop_reason":"tool_use",'
+                b'"usage":{"input_tokens":1}' + unread + b"}")
+        dialect = ChatViaMessages(req)
+    else:
+        args = orjson.dumps('{"x":' + junk.decode() + "}") if where == "tool" else b'"{}"'
+        body = (b'{"id":"c","model":"m","choices":[{"index":0,"message":{"content":"hi",'
+                b'"tool_calls":[{"id":"t","function":{"name":"f","arguments":' + args + b'}}]},'
+                b'"finish_reason":"tool_calls"}],"usage":{"prompt_tokens":1}' + unread + b"}")
+        dialect = (MessagesViaChat(req) if reader == "messages via chat"
+                   else ResponsesViaChat({"model": "m", "input": "hi"}))
+    parse = getattr(dialect, "parse_answer", orjson.loads)  # (the tree before: orjson, whole)
+    serving.settle_heap()
+    t = time.process_time()
+    dialect.answer(body, parse(body))
+    return time.process_time() - t
+
 case, n = sys.argv[1], int(sys.argv[2])
+if case.startswith("answer: "):
+    print(json.dumps(answer(*case[8:].split(", "), n)))
+    sys.exit()
 if case.startswith("body: "):
     print(json.dumps(body(case[6:], n)))
     sys.exit()

@@ -56,6 +56,9 @@ SCRIPTS: dict[str, Reply] = {
     "usage_list_first": sse_reply([_event("message_start", {"message": {"usage": [1]}})]),
     "delta_str_mid": sse_reply([_START, _TEXT, _A, _event("content_block_delta", {"delta": "x"})]),
     "unary_content_int": json_reply(b'{"id": "m", "type": "message", "content": 5}'),
+    "unary_content_int_large": json_reply(
+        b'{"id": "m", "type": "message", "content": 5, "x": "' + b"a" * 70_000 + b'"}'
+    ),
 }
 
 
@@ -175,12 +178,21 @@ async def test_a_chat_stream_on_anthropic_ends_with_the_protocol_error_and_is_se
     _no_crash(via_messages)
 
 
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("unary_content_int", b"unexpected shape"),  # read whole, judged by the translation
+        # Past 64 KiB an answer is read only in its API's shape (dialects/event_json.py).
+        ("unary_content_int_large", b"with a field of an unexpected type"),
+    ],
+)
 async def test_a_chat_answer_on_anthropic_of_the_wrong_shape_is_a_502(
-    via_messages: procs.Service,
+    via_messages: procs.Service, text: str, says: bytes
 ) -> None:
-    status, body = await _post(via_messages, "/v1/chat/completions", "unary_content_int", False)
+    status, body = await _post(via_messages, "/v1/chat/completions", text, False)
     assert status == 502, body
     assert orjson.loads(body)["error"]["code"] == "upstream_protocol_error"
+    assert says in body and b"internal" not in body.lower(), body
     _no_crash(via_messages)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from tokenpipe import sse
 from tokenpipe.dialects.event_json import MAX_TEMPLATE_BYTES
 from tokenpipe.errors import GatewayError
@@ -172,6 +174,15 @@ class Dialect:
     #: `body`), so the front reads only its `usage` of it (front/answer.py). A translating
     #: dialect sets False: its answers are parsed whole, within a smaller bound.
     answers_as_sent = True
+
+    def parse_answer(self, body: bytes) -> Any:
+        """A translation's non-streamed 200 answer as `answer` reads it: parsed whole here; a
+        translation reads only its fields (event_json.py). None: not JSON. Raises
+        sse.SSEProtocolError when the answer cannot be read."""
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:  # (orjson's depth limit makes deep nesting one)
+            return None
 
     def answer(self, body: bytes, obj: dict[str, Any]) -> bytes:
         """The client's body for a non-streamed 200 answer whose JSON is `obj` (`body` as the

@@ -15,15 +15,16 @@ message id, which block is which tool call, whether usage was asked for).
 from __future__ import annotations
 
 import time
-from typing import Any, TypedDict
+from typing import Annotated, Any, TypedDict
 
 import msgspec
 import orjson
 
 from tokenpipe import sse
+from tokenpipe.dialects import event_json
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.chat_request import tool_call
-from tokenpipe.dialects.event_json import lenient, not_json, object_of
+from tokenpipe.dialects.event_json import MAX_ITEMS, fragment, lenient, not_json, object_of
 from tokenpipe.dialects.messages_request import messages_request
 from tokenpipe.dialects.openai import CHAT
 from tokenpipe.usage import count
@@ -64,7 +65,7 @@ def finish_reason(stop: Any) -> str | None:
 # A Messages event as the translation reads it: the fields it turns into chat chunks, and
 # nothing else (event_json.py). TypedDicts, so a decoded event is the plain dict a whole parse
 # gives, holding only these keys, read with `.get` and type checks either way.
-class _Block(TypedDict, total=False):
+class _StartBlock(TypedDict, total=False):
     type: str | None
     id: str | None
     name: str | None
@@ -88,13 +89,31 @@ class _Event(TypedDict, total=False):
     type: str | None
     index: int | None
     message: _Message | None
-    content_block: _Block | None
+    content_block: _StartBlock | None
     delta: _Delta | None
     usage: msgspec.Raw
     error: msgspec.Raw
 
 
+class _Block(TypedDict, total=False):  # (an answer's content block)
+    type: str | None
+    text: str | None
+    thinking: str | None
+    id: str | None
+    name: str | None
+    input: msgspec.Raw  # written again as it came: event_json.fragment
+
+
+class _Answer(TypedDict, total=False):
+    id: str | None
+    model: str | None
+    content: Annotated[list[_Block], msgspec.Meta(max_length=MAX_ITEMS)] | None
+    stop_reason: str | None
+    usage: msgspec.Raw
+
+
 _decode = msgspec.json.Decoder(_Event).decode
+_decode_answer = msgspec.json.Decoder(_Answer).decode
 
 
 def _read_event(data: bytes) -> dict[str, Any]:
@@ -239,6 +258,20 @@ class ChatViaMessages(Dialect):
         return None  # signature_delta, citations: nothing in chat's stream
 
     # -- whole answers and errors --------------------------------------------------------------
+
+    def parse_answer(self, body: bytes) -> Any:
+        """The answer's fields `answer` reads: `usage` an object (or None), a tool's `input`
+        kept as its JSON text (see event_json.py)."""
+        obj = event_json.answer(_decode_answer, body)
+        if obj is None:
+            return None
+        if isinstance(raw := obj.get("usage"), msgspec.Raw):
+            obj["usage"] = object_of(raw)
+        content = obj.get("content")
+        for block in content if isinstance(content, list) else ():  # (lenient: any JSON)
+            if isinstance(block, dict) and isinstance(raw := block.get("input"), msgspec.Raw):
+                block["input"] = fragment(raw)
+        return obj
 
     def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         return chat_usage(obj.get("usage"))

@@ -22,6 +22,7 @@ their type reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -32,6 +33,11 @@ from tokenpipe import answer_fields, sse
 #: Largest event read whole when its typed decode fails (bytes); see the module docstring.
 #: 64 KiB of the costliest JSON (`[]`s) parses in ~2.6 ms.
 MAX_LENIENT_BYTES = 64 * 1024
+#: Entries of a list a reader builds (tool calls in one delta or message, content blocks in
+#: one answer): the bound of a request's messages (openai_schema.MAX_MESSAGES), far above
+#: what a model emits at once, far below the 1.4 M empty objects 4 MiB holds (~100 ms to
+#: build; 10,000 cost ~2 ms). Past it the event or answer is of another shape (see above).
+MAX_ITEMS = 10_000
 #: Largest event a merged one is rebuilt from (Piece.mergeable parses it whole): a larger
 #: content delta is passed on as it came, unmerged.
 MAX_TEMPLATE_BYTES = MAX_LENIENT_BYTES
@@ -48,21 +54,39 @@ def not_json() -> sse.SSEProtocolError:
     return sse.SSEProtocolError("upstream sent an event that is not valid JSON")
 
 
-def lenient(data: bytes) -> dict[str, Any]:
-    """The event parsed whole, for a reader whose typed decode refused it; raises
-    sse.SSEProtocolError past MAX_LENIENT_BYTES, or when it is not a JSON object."""
+def lenient(data: bytes, what: str = "event") -> dict[str, Any]:
+    """The event (or answer: `what`) parsed whole, for a reader whose typed decode refused
+    it; raises sse.SSEProtocolError past MAX_LENIENT_BYTES, or when it is not an object."""
     if len(data) > MAX_LENIENT_BYTES:
         raise sse.SSEProtocolError(
-            f"upstream sent an event of {len(data)} bytes with a field of an unexpected type"
-            f" (events over {MAX_LENIENT_BYTES} bytes are read only in the API's shape)"
+            f"upstream sent an {what} of {len(data)} bytes with a field of an unexpected type"
+            f" (over {MAX_LENIENT_BYTES} bytes, only the API's shape is read)"
         )
     try:
         obj = orjson.loads(data)
     except (orjson.JSONDecodeError, RecursionError):  # e.g. 1e999: not a double
         raise not_json() from None
     if type(obj) is not dict:
-        raise sse.SSEProtocolError("upstream sent an event that is not a JSON object")
+        raise sse.SSEProtocolError(f"upstream sent an {what} that is not a JSON object")
     return obj
+
+
+def answer(decode: Callable[[bytes], Any], body: bytes) -> dict[str, Any] | None:
+    """A non-streamed answer decoded typed by `decode` (a TypedDict's: the plain dict of the
+    fields a translation reads), else `lenient`ly; None when it is not JSON."""
+    try:
+        obj: dict[str, Any] = decode(body)
+    except msgspec.ValidationError:
+        return lenient(body, "answer")
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return obj
+
+
+def fragment(raw: msgspec.Raw) -> orjson.Fragment:
+    """A Raw field written again as it came (orjson writes a Fragment's bytes as they are):
+    an upstream's tool input passed on without building it."""
+    return orjson.Fragment(bytes(raw))
 
 
 def object_of(raw: msgspec.Raw) -> dict[str, Any] | None:

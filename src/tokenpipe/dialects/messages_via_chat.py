@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import orjson
 
 from tokenpipe import sse
 from tokenpipe.dialects.anthropic import ERROR_TYPES
 from tokenpipe.dialects.base import Dialect, Piece
-from tokenpipe.dialects.chat_chunk import read_chunk
 from tokenpipe.dialects.chat_request import chat_request
+from tokenpipe.dialects.chat_upstream import read_chunk, read_completion
+from tokenpipe.dialects.event_json import fragment
 from tokenpipe.errors import GatewayError
 from tokenpipe.usage import count
 
@@ -230,6 +232,9 @@ class MessagesViaChat(Dialect):
 
     # -- whole answers and errors --------------------------------------------------------------
 
+    def parse_answer(self, body: bytes) -> Any:
+        return read_completion(body)
+
     def usage_of(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         usage = obj.get("usage")
         return usage if isinstance(usage, dict) else None
@@ -243,10 +248,7 @@ class MessagesViaChat(Dialect):
             content.append({"type": "text", "text": str(message["content"])})
         for call in message.get("tool_calls") or ():
             fn = call.get("function") or {}
-            try:
-                args = orjson.loads(fn.get("arguments") or "{}")
-            except orjson.JSONDecodeError:
-                args = {}
+            args = _tool_input(fn.get("arguments") or "{}")
             content.append(
                 {"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": args}
             )
@@ -272,3 +274,16 @@ class MessagesViaChat(Dialect):
 
     def error_event(self, error: GatewayError) -> bytes:
         return _event("error", {"error": anthropic_error(error.status, error.message)["error"]})
+
+
+_validate = msgspec.json.Decoder(msgspec.Raw).decode
+
+
+def _tool_input(arguments: Any) -> Any:
+    """A chat tool call's arguments (JSON text) as a Messages tool input: checked as JSON and
+    written as it came, not built (an upstream's arguments may be MiBs of it); {} when they
+    are not JSON."""
+    try:
+        return fragment(_validate(arguments))
+    except (msgspec.DecodeError, TypeError, RecursionError):  # (TypeError: not text)
+        return {}

@@ -27,7 +27,7 @@ import orjson
 
 from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
-from tokenpipe.dialects.chat_chunk import read_chunk
+from tokenpipe.dialects.chat_upstream import read_chunk, read_completion
 from tokenpipe.dialects.openai import CHAT, ChatDialect
 from tokenpipe.dialects.responses import encode_event, error_payload, render_text_delta
 from tokenpipe.dialects.responses_output import (
@@ -72,6 +72,9 @@ class ResponsesViaChat(ChatDialect):
         return response_object(
             self.request, self.id, self.created, status, output, usage, model, finish
         )
+
+    def parse_answer(self, body: bytes) -> Any:
+        return read_completion(body)
 
     def answer(self, body: bytes, obj: dict[str, Any]) -> bytes:
         """A chat completion as a Response."""

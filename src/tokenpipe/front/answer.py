@@ -8,8 +8,6 @@ import logging
 import time
 from typing import Any
 
-import orjson
-
 from tokenpipe import answer_fields, sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Dialect
@@ -41,7 +39,7 @@ TRANSLATED_MAX_BYTES = 4 * 1024 * 1024
 #: Of a 200 answer passed on as sent (`Dialect.answers_as_sent`) the gateway reads only
 #: `usage` (the dialect's `usage_of`); of an error answer, every dialect reads only `error`
 #: (`upstream_error_body`): answer_fields, without parsing the rest. A translation's 200
-#: answers are parsed whole.
+#: answer is read for the fields it translates (`Dialect.parse_answer`, event_json.py).
 
 
 async def unary(call: Call, rid: str) -> tuple[int, Response]:
@@ -59,7 +57,10 @@ async def unary(call: Call, rid: str) -> tuple[int, Response]:
             502, "Upstream closed the connection before answering.", code="upstream_error"
         ) from None
     headers = {"x-request-id": rid}
-    obj = _parse(body) if whole else _read(fields)
+    try:
+        obj = dialect.parse_answer(body) if whole else _read(fields)
+    except sse.SSEProtocolError as e:  # too large to read in another shape than its API's
+        raise GatewayError(502, f"Upstream broke the protocol: {e}.", code=PROTOCOL_ERROR) from None
     if status == 200:
         if not isinstance(obj, dict):
             raise GatewayError(
@@ -101,15 +102,6 @@ async def unary(call: Call, rid: str) -> tuple[int, Response]:
         headers.update(GatewayError(429, "").headers)
     headers["Server-Timing"] = call.timing.header(time.perf_counter())
     return status, json_response(status, body, headers)
-
-
-def _parse(body: bytes) -> Any:
-    """The answer parsed whole; None if it is not JSON (orjson's depth limit makes deep
-    nesting a decode error)."""
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
 
 
 def _read(fields: answer_fields.Fields | None) -> dict[str, Any] | None:
