@@ -9,7 +9,8 @@ sockets and the event loop around it (relay_cost.py times those too, for chat al
 
 Each target runs in child processes (PYTHONPATH=its src), `--rounds` rounds interleaved, each
 feeding `--events` events to a fresh stream's reader after its opening events; the figure is
-the median round's us an event. The readers: `chat` (an OpenAI chunk passed through),
+the median round's us an event. The readers: `chat` (an OpenAI chunk passed through, its
+`"usage":null` cut: the gateway asked for the usage, the client did not),
 `messages` and `responses` (their native events), `messages via chat` and `responses via
 chat` (a chat upstream's chunks written as the client's API), `chat via messages` (an
 Anthropic upstream's events written as chat chunks). JSON in results/event_cpu.json.
@@ -45,7 +46,8 @@ req = {"model": "m", "max_tokens": 10, "stream": True,
        "messages": [{"role": "user", "content": "hi"}]}
 CHAT = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1694268190,'
         b'"model":"gpt-4o-mini","system_fingerprint":"fp_1","choices":[{"index":0,'
-        b'"delta":{"content":" Hello"},"logprobs":null,"finish_reason":null}]}\n\n')
+        b'"delta":{"content":" Hello"},"logprobs":null,"finish_reason":null}],'
+        b'"usage":null}\n\n')
 ROLE = b'data: {"id":"c","model":"m","choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'
 ANTHROPIC = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
              b'"delta":{"type":"text_delta","text":" Hello"}}\n\n')
@@ -80,7 +82,9 @@ def dialect():
     from tokenpipe.dialects.chat_via_messages import ChatViaMessages
     return ChatViaMessages(req).for_stream()
 
-parser = EventParser(StreamTally("u", "m", 0.0), False, dialect())
+# The gateway asks a chat upstream for the usage the client did not ask for (every chunk then
+# says `"usage":null`), and takes it out of what it passes on.
+parser = EventParser(StreamTally("u", "m", 0.0), event is CHAT, dialect())
 parser.feed(opening)
 feed = parser.feed
 t = time.process_time()

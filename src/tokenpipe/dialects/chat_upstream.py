@@ -17,7 +17,7 @@ import msgspec
 
 from tokenpipe import answer_fields
 from tokenpipe.dialects import event_json
-from tokenpipe.dialects.event_json import MAX_ITEMS, lenient, not_json, object_of
+from tokenpipe.dialects.event_json import MAX_ITEMS, NULL, lenient, not_json, object_of
 
 
 class Function(TypedDict, total=False):
@@ -89,8 +89,8 @@ def read_chunk(data: bytes) -> dict[str, Any]:
         return lenient(data)
     except (msgspec.DecodeError, RecursionError):
         raise not_json() from None
-    if "usage" in obj:
-        obj["usage"] = object_of(obj["usage"])
+    if "usage" in obj:  # (`null` in every chunk: the gateway asks for the usage)
+        obj["usage"] = None if obj["usage"] == NULL else object_of(obj["usage"])
     if "error" in obj:
         obj["error"] = object_of(obj["error"])
     return obj

@@ -50,6 +50,11 @@ NULL = msgspec.Raw(b"null")
 _NOTHING = (b"", b"null", b"[]", b"{}", b'""', b"false", b"0")
 
 
+#: Largest object field built (`usage`, `error`), as of a non-streamed answer's.
+MAX_VALUE_BYTES = answer_fields.MAX_VALUE_BYTES
+_decode_object = msgspec.json.Decoder(dict[str, Any]).decode
+
+
 def not_json() -> sse.SSEProtocolError:
     return sse.SSEProtocolError("upstream sent an event that is not valid JSON")
 
@@ -91,10 +96,13 @@ def fragment(raw: msgspec.Raw) -> orjson.Fragment:
 
 def object_of(raw: msgspec.Raw) -> dict[str, Any] | None:
     """A Raw field's value if it is a JSON object of at most MAX_VALUE_BYTES, else None."""
-    if memoryview(raw)[:1] != b"{":  # absent, null or not an object (a view: no copy)
+    if not 0 < len(raw) <= MAX_VALUE_BYTES or memoryview(raw)[:1] != b"{":
+        return None  # absent, null, not an object, or too large
+    try:
+        value = _decode_object(raw)
+    except (msgspec.DecodeError, RecursionError):  # e.g. a number out of a double's range
         return None
-    value = answer_fields.value(raw)
-    return value if type(value) is dict else None
+    return value
 
 
 def raw_object(value: Any) -> msgspec.Raw:

@@ -17,6 +17,7 @@ from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.event_json import (
     ABSENT,
     MAX_LENIENT_BYTES,
+    NULL,
     Opaque,
     is_null,
     lenient,
@@ -77,7 +78,8 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _NOT_VALID_JSON = "upstream sent an event that is not valid JSON"
 #: `"usage":null` as OpenAI-compatible servers write it after the choices: compactly, or with
 #: the spaces of Python's json.dumps.
-_NULL_USAGES = (b',"usage":null', b', "usage": null')
+_NULL_USAGE = b',"usage":null'
+_NULL_USAGE_SPACED = b', "usage": null'
 
 
 def _fault(why: str) -> sse.SSEProtocolError:
@@ -92,10 +94,10 @@ def _has_content(choices: list[_Choice]) -> bool:
                 return True
         elif (
             d.content
-            or says_something(d.tool_calls)
+            or (d.tool_calls is not ABSENT and says_something(d.tool_calls))
             or d.reasoning_content
             or d.reasoning
-            or says_something(d.function_call)
+            or (d.function_call is not ABSENT and says_something(d.function_call))
         ):
             return True
     return False
@@ -125,15 +127,14 @@ class OpenAIDialect(Dialect):
         """A decoded chunk -> its piece. `raw`: the event's bytes as read, if they are
         exactly `data: <data>\\n\\n` (saves rebuilding them)."""
         usage = None
-        if c.usage is not ABSENT:  # present, if only as null
-            usage = object_of(c.usage) or None
+        if c.usage is not ABSENT:  # present, if only as null (as in every chunk, asked for)
+            usage = None if c.usage == NULL else object_of(c.usage) or None
             if strip_usage:
                 if not c.choices:  # the usage-only chunk the client did not ask for
                     return _hidden(usage)
                 # `"usage":null` is there only because we asked for usage. Cutting its bytes
                 # saves a re-serialisation.
-                cut = _cut_null_usage(raw) if raw is not None else None
-                if cut is not None:
+                if raw is not None and len(cut := raw.replace(_NULL_USAGE, b"", 1)) != len(raw):
                     raw, data = cut, cut[6:-2]
                 else:
                     stripped = _without_usage(data)
@@ -146,7 +147,7 @@ class OpenAIDialect(Dialect):
         if not choices:
             piece = Piece(raw)
             piece.usage = usage
-            error = object_of(c.error)
+            error = object_of(c.error) if c.error is not ABSENT else None
             if error is not None:
                 piece.error = error
                 piece.end = True
@@ -354,31 +355,23 @@ def _one_line(data: bytes) -> bytes:
     return data.replace(b"\n", b" ") if b"\n" in data else data
 
 
-def _cut_null_usage(raw: bytes) -> bytes | None:
-    """`raw` without its `"usage":null` as servers write it, None if not written so."""
-    for null in _NULL_USAGES:
-        cut = raw.replace(null, b"", 1)
-        if len(cut) != len(raw):
-            return cut
-    return None
-
-
 def _without_usage(data: bytes) -> bytes | None:
     """The chunk without its `usage`; None if orjson cannot read or write it (msgspec skips
     the fields it does not decode without checking their numbers or depth). A chunk over
     MAX_LENIENT_BYTES keeps its usage: parsing it whole would cost the loop what it holds
     (event_json.py), and a usage the client did not ask for is an extra field, not a loss."""
-    cut = _cut_null_usage(data)
-    if cut is None and len(data) > MAX_LENIENT_BYTES:
+    for null in (_NULL_USAGE, _NULL_USAGE_SPACED):  # as written: cut from the bytes
+        cut = data.replace(null, b"", 1)
+        if len(cut) != len(data):
+            return cut
+    if len(data) > MAX_LENIENT_BYTES:
         return data
-    if cut is None:
-        try:
-            obj = orjson.loads(data)
-            del obj["usage"]
-            cut = orjson.dumps(obj)
-        except (orjson.JSONDecodeError, orjson.JSONEncodeError, RecursionError):
-            return None
-    return cut
+    try:
+        obj = orjson.loads(data)
+        del obj["usage"]
+        return orjson.dumps(obj)
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError, RecursionError):
+        return None
 
 
 def _text_of(choice: _Choice) -> str:
