@@ -1,23 +1,27 @@
-"""An upstream's event, read for the fields a reader acts on, at the cost of its bytes.
+"""An upstream's event or answer, read for the fields a reader acts on, at the cost of its
+bytes.
 
-An upstream may send any JSON in an event of up to 4 MiB (sse.py). Parsed whole, JSON costs
-what it builds, not what it weighs: an event with a 4 MiB field of `[]`s took orjson 170-240
-ms of the event loop, held from every other stream (benchmarks/hostile_cost.py `event:`).
-msgspec, decoding into a type of the fields a reader reads, skips the rest in C without
-building anything: 8 ms for the same event. So each reader decodes into a type:
+An upstream may send any JSON: in an event of up to 4 MiB (sse.py), or in a non-streamed
+answer a translation reads (4 MiB, front/answer.py). Parsed whole, JSON costs what it
+builds, not what it weighs: an event with a 4 MiB field of `[]`s took orjson 170-240 ms of
+the event loop, held from every other stream (benchmarks/hostile_cost.py `event:` and
+`answer:`). msgspec, decoding into a type of the fields a reader reads, skips the rest in C
+without building anything: 8 ms for the same event. So each reader decodes into a type:
 - fields that are only passed on or tested for presence (`tool_calls` where only their
   presence counts) are `msgspec.Raw`: the JSON as sent, never built; an object passed on
   (chat's `logprobs`) is an `Opaque` struct, whose fields are skipped;
 - objects the gateway reads whole (`usage`, `error`) are `Raw` too, and built by `object_of`
   only up to MAX_VALUE_BYTES (a real one is under 1 KiB);
-- the rest (text, reasons, indexes) typed as the API says.
+- JSON the gateway writes again unchanged (a tool's input, a tool call's arguments) is
+  checked and written as it came (`fragment`), never built;
+- the rest (text, reasons, indexes) typed as the API says, its lists bounded (MAX_ITEMS).
 
 An event whose fields have other types than these fails the typed decode; the reader then
 reads it `lenient`ly, parsed whole, taking what it can and passing the rest on. Since that
 builds every object, it is done only up to MAX_LENIENT_BYTES; a larger event of an unexpected
 shape ends the stream as a protocol error (never a complete-looking answer with a piece
-missing). Real events of that size are long text or a finished Response's output, which
-their type reads.
+missing), a larger answer is a 502. Real events of that size are long text or a finished
+Response's output, which their type reads.
 """
 
 from __future__ import annotations
@@ -42,16 +46,15 @@ MAX_ITEMS = 10_000
 #: content delta is passed on as it came, unmerged.
 MAX_TEMPLATE_BYTES = MAX_LENIENT_BYTES
 
+#: Largest object field built (`usage`, `error`), as of an answer passed on as sent.
+MAX_VALUE_BYTES = answer_fields.MAX_VALUE_BYTES
+
 #: A Raw field's default: msgspec gives this very object for a field the event leaves out, so
 #: `field is ABSENT` is the per-event test.
 ABSENT = msgspec.Raw()
 NULL = msgspec.Raw(b"null")
 #: Raw JSON that is absent, null or empty: a field that says nothing.
 _NOTHING = (b"", b"null", b"[]", b"{}", b'""', b"false", b"0")
-
-
-#: Largest object field built (`usage`, `error`), as of a non-streamed answer's.
-MAX_VALUE_BYTES = answer_fields.MAX_VALUE_BYTES
 _decode_object = msgspec.json.Decoder(dict[str, Any]).decode
 
 
