@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from _common import ROOT, cpu_seconds, gateway, src_dir, write_json
+from _common import ROOT, cpu_seconds, gateway, one_at_a_time, src_dir, write_json
 
 from tokenpipe.bench import procs
 
@@ -60,16 +60,7 @@ def _headers(key: str) -> dict[str, str]:
 
 async def _victim(url: str, seconds: float) -> list[float]:
     """Latencies (ms) of one-token requests sent one at a time for `seconds`."""
-    out: list[float] = []
-    async with aiohttp.ClientSession() as s:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t = time.perf_counter()
-            async with s.post(url, data=SMALL, headers=_headers(KEYS["victim"])) as r:
-                await r.read()
-                assert r.status == 200, r.status
-            out.append(1e3 * (time.perf_counter() - t))
-    return out
+    return await one_at_a_time(url, SMALL, seconds, _headers(KEYS["victim"]))
 
 
 def _attack(url: str, rate: float, seconds: float, result: Any) -> None:
