@@ -89,3 +89,22 @@ def test_a_long_event_in_small_reads_is_whole() -> None:
     data = b"data: " + b"x" * 300_000 + b"\r\n\r\ndata: next\n\n"
     events, pending = _events([data[i : i + 999] for i in range(0, len(data), 999)])
     assert [len(e.data) for e in events] == [300_000, 4] and not pending
+
+
+@pytest.mark.parametrize("name", list(STREAMS))
+def test_a_long_event_s_end_is_found_at_every_read_edge(name: str) -> None:
+    """Past 64 KiB held, the end of an event is searched for only after what was held (sse.py):
+    a long event then each stream, its last read cut at every place around the end, and
+    random splits, give the events of the whole."""
+    long = b"event: big\ndata: " + b"x" * 70_000 + b"\n\n"
+    data = long + STREAMS[name]
+    whole = _events([data])
+    assert whole[0][0].data == b"x" * 70_000 and whole[0][0].event == "big"
+    head = len(long) - 40  # every read edge within the long event's last 40 bytes and after
+    for i in range(head, min(len(data), len(long) + 24) + 1):
+        assert _events([data[:head], data[head:i], data[i:]]) == whole, i
+        assert _events([data[:i], data[i:]]) == whole, i
+    rng = random.Random(name)
+    for _ in range(100):
+        cuts = [rng.randrange(len(data) + 1) for _ in range(rng.randrange(1, 40))]
+        assert _events(_split(data, cuts)) == whole, cuts
