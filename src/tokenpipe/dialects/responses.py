@@ -27,6 +27,7 @@ from tokenpipe import sse
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.event_json import (
     ABSENT,
+    Opaque,
     lenient,
     object_of,
     raw_object,
@@ -50,13 +51,9 @@ class _Response(msgspec.Struct):
     error: msgspec.Raw = ABSENT
 
 
-class _Opaque(msgspec.Struct):
-    """An object the relay passes on without reading it (a shell call's output delta)."""
-
-
 class _Event(msgspec.Struct):
     type: str = ""
-    delta: str | _Opaque | None = None
+    delta: str | Opaque | None = None  # (Opaque: a shell call's output delta)
     output_index: int | None = None
     content_index: int | None = None
     logprobs: msgspec.Raw = ABSENT
@@ -286,7 +283,7 @@ def _lenient(data: bytes) -> _Event:
     kind, delta, resp = obj.get("type"), obj.get("delta"), obj.get("response")
     return _Event(
         type=kind if isinstance(kind, str) else "",
-        delta=delta if isinstance(delta, str) else _Opaque() if delta is not None else None,
+        delta=delta if isinstance(delta, str) else Opaque() if delta is not None else None,
         output_index=_int(obj.get("output_index")),
         content_index=_int(obj.get("content_index")),
         logprobs=_SOME if obj.get("logprobs") else ABSENT,
