@@ -14,13 +14,14 @@ from typing import Any
 
 import orjson
 
-from tokenpipe import request_ids
+from tokenpipe import request_ids, sse
 from tokenpipe import usage as usage_mod
 from tokenpipe.context import plan, summary, tokens
 from tokenpipe.context.lookup import ModelLookup
 from tokenpipe.control.deadline import UNBOUNDED, Scope
 from tokenpipe.control.traffic import Ticket
 from tokenpipe.dialects import CHAT
+from tokenpipe.dialects.chat_upstream import read_completion
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics, tracing
 from tokenpipe.router.attempt import Request
@@ -181,10 +182,10 @@ class Summarizer:
                 route.close()
             if status != 200:
                 raise ValueError(f"summarizer answered {status}")
-            try:
-                answer = orjson.loads(raw)
+            try:  # the fields read, not the whole answer (dialects/event_json.py)
+                answer = read_completion(raw) or {}  # ({}: not JSON)
                 text = answer["choices"][0]["message"]["content"]
-            except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+            except (sse.SSEProtocolError, KeyError, IndexError, TypeError):
                 raise ValueError("summarizer answer is not a chat completion") from None
             usage = answer.get("usage")  # a dict: indexing it by name worked
         finally:
