@@ -4,13 +4,16 @@ upstream without the route is not asked again in front of every completion."""
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
 from tests.local_app import serving
+from tokenpipe.context.windows import windows_of
 from tokenpipe.settings import UpstreamSettings
+from tokenpipe.upstream import model_list
 from tokenpipe.upstream.http import HttpUpstream
 
 
@@ -60,3 +63,28 @@ async def test_an_upstream_without_models_is_not_asked_before_every_request(
     for _ in range(5):
         assert await upstream.serves("anything")  # cannot say: forwarded, the upstream decides
     assert m.hits == 1
+
+
+def test_a_model_list_costs_the_fields_read_not_what_it_holds() -> None:
+    """A /models answer is decoded for each entry's id and window fields only
+    (upstream/model_list.py): 4 MiB of `[]`s beside them are skipped, not built (a whole
+    parse peaked at ~30x the answer), and the list and the windows read as before."""
+    junk = b"[" + b",".join([b"[]"] * ((4 << 20) // 3)) + b"]"
+    entry = b'{"id":"a","max_model_len":4096,"meta":{"n_ctx_train":8192},"x":' + junk + b"}"
+    body = b'{"object":"list","data":[' + entry + b',"not an entry",{"id":"b"}],"y":' + junk + b"}"
+    tracemalloc.start()
+    try:
+        data = model_list.read(body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < len(body), f"{peak / len(body):.1f}x the answer"
+    upstream = HttpUpstream(UpstreamSettings(name="u", url="http://127.0.0.1:9/v1"))
+    assert upstream._learn(data, 0.0) == {"a", "b"}
+    assert windows_of(data) == {"a": 4096}
+    # Another shape (an object as an id) is parsed whole up to 64 KiB, and is no list past it.
+    odd = b'{"data":[{"id":{"x":1}},{"id":"c"}]}'
+    assert upstream._learn(model_list.read(odd), 0.0) == {"c"}
+    assert model_list.read(odd[:-2] + b',"pad":"' + b"p" * 70_000 + b'"}]}') is None
+    with pytest.raises(ValueError):
+        model_list.read(b"not json")

@@ -20,11 +20,10 @@ from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.flight import SingleFlight
 from tokenpipe.settings import MAX_MODELS
 from tokenpipe.upstream.http import MODELS_RETRY, HttpUpstream
+from tokenpipe.upstream.model_list import META_WINDOW_FIELDS, WINDOW_FIELDS
 
 log = logging.getLogger("tokenpipe.context")
 
-#: Fields of a /v1/models entry that carry the serving window, in order of trust.
-_MODEL_FIELDS = ("context_window", "max_model_len", "context_length", "n_ctx")
 #: How long an upstream's answer is trusted (seconds); an unreachable one is asked again then.
 DISCOVERY_TTL = 60.0
 #: Bound on remembered (upstream, model) answers; the oldest is forgotten beyond it.
@@ -32,13 +31,13 @@ MAX_DISCOVERED = 4096
 
 
 def window_from_entry(entry: dict[str, Any]) -> int | None:
-    for key in _MODEL_FIELDS:
+    for key in WINDOW_FIELDS:
         value = entry.get(key)
         if isinstance(value, int) and value > 0:
             return value
     meta = entry.get("meta")
     if isinstance(meta, dict):
-        for key in ("n_ctx", "n_ctx_train"):
+        for key in META_WINDOW_FIELDS:
             value = meta.get(key)
             if isinstance(value, int) and value > 0:
                 return value

@@ -15,7 +15,6 @@ import logging
 import math
 from typing import Any
 
-import orjson
 from yarl import URL
 
 from tokenpipe.clock import MONOTONIC, Clock
@@ -24,7 +23,7 @@ from tokenpipe.errors import GatewayError
 from tokenpipe.flight import SingleFlight
 from tokenpipe.log_budget import LogBudget
 from tokenpipe.settings import MAX_MODELS, UpstreamSettings
-from tokenpipe.upstream import h1
+from tokenpipe.upstream import h1, model_list
 from tokenpipe.upstream.errors import UpstreamError, UpstreamProtocolError
 from tokenpipe.upstream.responses_probe import ResponsesProbe, verdict
 
@@ -210,10 +209,10 @@ class HttpUpstream:
                 try:
                     if resp.status != 200:
                         return None
-                    return orjson.loads(await read_bounded(resp, MAX_MODELS_BYTES))
+                    return model_list.read(await read_bounded(resp, MAX_MODELS_BYTES))
                 finally:
                     resp.close()
-        except (TimeoutError, UpstreamError, GatewayError, orjson.JSONDecodeError):
+        except (TimeoutError, UpstreamError, GatewayError, ValueError):  # (ValueError: not JSON)
             if not quiet:
                 log.warning("upstream %s: could not list its models", self.name)
             return None
