@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import psutil
 
 from tokenpipe.bench import procs, run_load
@@ -258,24 +257,6 @@ async def one_token_requests(svc: Service, concurrency: int, requests: int) -> A
         max_tokens=1,
         prompt_tokens=32,
     )
-
-
-async def one_at_a_time(
-    url: str, body: bytes, seconds: float, headers: dict[str, str] | None = None
-) -> list[float]:
-    """Latencies (ms) of `body` POSTed to `url` one request at a time for `seconds` (a
-    victim's view of the gateway: each must answer 200)."""
-    out: list[float] = []
-    headers = {"content-type": "application/json", **(headers or {})}
-    async with aiohttp.ClientSession() as s:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t = time.perf_counter()
-            async with s.post(url, data=body, headers=headers) as r:
-                await r.read()
-                assert r.status == 200, r.status
-            out.append(1e3 * (time.perf_counter() - t))
-    return out
 
 
 def write_json(path: str, benchmark: str, args: Any, **result: Any) -> None:

@@ -19,18 +19,13 @@ medians of the rounds. JSON in results/hostile_bodies.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
-import multiprocessing
-import statistics
-import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
-from _common import ROOT, cpu_seconds, gateway, one_at_a_time, src_dir, write_json
+from _attack import add_args, measure, medians
+from _common import ROOT, gateway, write_json
 
 from tokenpipe.bench import procs
 
@@ -58,79 +53,24 @@ def _headers(key: str) -> dict[str, str]:
     return {"content-type": "application/json", "authorization": f"Bearer {key}"}
 
 
-async def _victim(url: str, seconds: float) -> list[float]:
-    """Latencies (ms) of one-token requests sent one at a time for `seconds`."""
-    return await one_at_a_time(url, SMALL, seconds, _headers(KEYS["victim"]))
-
-
-def _attack(url: str, rate: float, seconds: float, result: Any) -> None:
-    """The attacker's process: `rate` bodies a second for `seconds`, each in its own task
-    (at most 64 at once), then their answers' statuses counted into `result`."""
-
-    async def run() -> Counter[int]:
-        statuses: Counter[int] = Counter()
-        gate = asyncio.Semaphore(64)
-        async with aiohttp.ClientSession() as s:
-
-            async def one() -> None:
-                async with gate:
-                    try:
-                        async with s.post(url, data=JUNK, headers=_headers(KEYS["attacker"])) as r:
-                            await r.read()
-                            statuses[r.status] += 1
-                    except aiohttp.ClientError:
-                        statuses[0] += 1
-
-            tasks = []
-            start = time.perf_counter()
-            for i in range(int(rate * seconds)):
-                await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-                tasks.append(asyncio.create_task(one()))
-            await asyncio.gather(*tasks)
-        return statuses
-
-    result.update(asyncio.run(run()))
+def _outcome(status: int, body: bytes) -> str:
+    return {404: "parsed", 429: "refused"}.get(status, "other")
 
 
 def _round(sim_url: str, src: str | None, args: argparse.Namespace) -> dict[str, Any]:
     cfg = _config(ROOT / ".cache" / "hostile-bodies.yaml")
     with gateway(sim_url, config=cfg, src=src) as gw:
         url = gw.url + "/v1/chat/completions"
-        asyncio.run(_victim(url, 1.0))  # warm-up
-        alone = asyncio.run(_victim(url, args.seconds))
-        with multiprocessing.Manager() as manager:
-            statuses = manager.dict()
-            attacker = multiprocessing.Process(
-                target=_attack, args=(url, args.rate, args.seconds, statuses)
-            )
-            cpu0 = cpu_seconds(gw.pid)
-            attacker.start()
-            attacked = asyncio.run(_victim(url, args.seconds))
-            attacker.join()
-            cpu = cpu_seconds(gw.pid) - cpu0
-            got = dict(statuses)
-    q = statistics.quantiles
-    return {
-        "alone_p50": statistics.median(alone),
-        "alone_p99": q(alone, n=100)[98],
-        "attacked_p50": statistics.median(attacked),
-        "attacked_p99": q(attacked, n=100)[98],
-        "attacked_max": max(attacked),
-        "victim_requests": len(attacked),
-        "parsed": got.get(404, 0),
-        "refused": got.get(429, 0),
-        "other": sum(v for k, v in got.items() if k not in (404, 429)),
-        "cpu_s": cpu,
-    }
+        victim = (url, SMALL, _headers(KEYS["victim"]))
+        figures, got = measure(
+            gw.pid, victim, (url, JUNK, _headers(KEYS["attacker"])), _outcome, args
+        )
+    return {**figures, **{k: got.get(k, 0) for k in ("parsed", "refused", "other")}}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--seconds", type=float, default=8.0, help="victim alone, then attacked")
-    p.add_argument("--rate", type=float, default=8.0, help="attacker's bodies a second")
-    p.add_argument("--base-src", type=src_dir, help="src/ of another checkout, measured too")
-    p.add_argument("--json", default=str(ROOT / "results" / "hostile_bodies.json"))
+    add_args(p, 8.0, "bodies", "hostile_bodies")
     args = p.parse_args()
     targets: dict[str, str | None] = {"this tree": None}
     if args.base_src:
@@ -141,17 +81,15 @@ def main() -> None:
             for target, src in targets.items():
                 print(f"  round {i + 1}/{args.rounds}: {target}", flush=True)
                 rounds[target].append(_round(sim.url, src, args))
-    rows = []
+    rows = medians(rounds)
     print(f"\nvictim: one-token requests one at a time; attacker: {args.rate:g} bodies/s of 4 MiB")
     print(
         f"{'target':<10}{'alone p50':>10}{'p99':>7}{'attacked p50':>13}{'p99':>8}{'max':>8}"
         f"{'parsed':>8}{'429':>6}{'CPU s':>7}"
     )
-    for target, runs in rounds.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        rows.append({"target": target, **med, "rounds": runs})
+    for med in rows:
         print(
-            f"{target:<10}{med['alone_p50']:>10.2f}{med['alone_p99']:>7.2f}"
+            f"{med['target']:<10}{med['alone_p50']:>10.2f}{med['alone_p99']:>7.2f}"
             f"{med['attacked_p50']:>13.2f}{med['attacked_p99']:>8.1f}{med['attacked_max']:>8.0f}"
             f"{med['parsed']:>8.0f}{med['refused']:>6.0f}{med['cpu_s']:>7.2f}"
         )

@@ -21,16 +21,12 @@ results/hostile_events.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import multiprocessing
-import statistics
-import time
-from collections import Counter
 from typing import Any
 
-import aiohttp
 import orjson
-from _common import ROOT, cpu_seconds, free_port, one_at_a_time, src_dir, write_json
+from _attack import add_args, measure, medians
+from _common import ROOT, free_port, write_json
 from aiohttp import web
 
 from tokenpipe.bench import procs
@@ -46,8 +42,6 @@ ATTACK = orjson.dumps(
         "messages": [{"role": "user", "content": "hi"}],
     }
 )
-#: A victim's request slower than this (ms) counts as held up (alone: p99 ~1.2 ms).
-SLOW_MS = 10.0
 _HEAD = b'data: {"id":"c","object":"chat.completion.chunk","model":"junk-model","choices":'
 #: The junk upstream's answer: 4 MiB in the text chunk's unread field `x`.
 ANSWER = b"".join(
@@ -82,37 +76,6 @@ def _junk_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None)
 
 
-def _attack(url: str, rate: float, seconds: float, result: Any) -> None:
-    """The attacker's process: `rate` streams a second for `seconds`, each in its own task
-    (at most 64 at once), then counted into `result` by outcome."""
-
-    async def run() -> Counter[str]:
-        outcomes: Counter[str] = Counter()
-        gate = asyncio.Semaphore(64)
-        headers = {"content-type": "application/json"}
-        async with aiohttp.ClientSession() as s:
-
-            async def one() -> None:
-                async with gate:
-                    try:
-                        async with s.post(url, data=ATTACK, headers=headers) as r:
-                            body = await r.read()
-                        done = r.status == 200 and b"event: message_stop" in body
-                        outcomes["whole" if done else f"{r.status} error"] += 1
-                    except aiohttp.ClientError:
-                        outcomes["cut"] += 1
-
-            tasks = []
-            start = time.perf_counter()
-            for i in range(int(rate * seconds)):
-                await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-                tasks.append(asyncio.create_task(one()))
-            await asyncio.gather(*tasks)
-        return outcomes
-
-    result.update(asyncio.run(run()))
-
-
 def _gateway(sim_url: str, junk_url: str, src: str | None) -> procs.Service:
     config = ROOT / ".cache" / "hostile-events.yaml"
     config.parent.mkdir(exist_ok=True)
@@ -125,44 +88,26 @@ def _gateway(sim_url: str, junk_url: str, src: str | None) -> procs.Service:
     return procs.gateway("--config", str(config), "--log-level", "warning", env=env)
 
 
+def _outcome(status: int, body: bytes) -> str:
+    return "whole" if status == 200 and b"event: message_stop" in body else "failed"
+
+
 def _round(sim_url: str, junk_url: str, src: str | None, args: Any) -> dict[str, Any]:
     with _gateway(sim_url, junk_url, src) as gw:
-        victim, attack = gw.url + "/v1/chat/completions", gw.url + "/v1/messages"
-        asyncio.run(one_at_a_time(victim, SMALL, 1.0))  # warm-up
-        alone = asyncio.run(one_at_a_time(victim, SMALL, args.seconds))
-        with multiprocessing.Manager() as manager:
-            outcomes = manager.dict()
-            attacker = multiprocessing.Process(
-                target=_attack, args=(attack, args.rate, args.seconds, outcomes)
-            )
-            cpu0 = cpu_seconds(gw.pid)
-            attacker.start()
-            attacked = asyncio.run(one_at_a_time(victim, SMALL, args.seconds))
-            attacker.join()
-            cpu = cpu_seconds(gw.pid) - cpu0
-            got = dict(outcomes)
-    q = statistics.quantiles
+        json = {"content-type": "application/json"}
+        victim = (gw.url + "/v1/chat/completions", SMALL, json)
+        attacker = (gw.url + "/v1/messages", ATTACK, json)
+        figures, got = measure(gw.pid, victim, attacker, _outcome, args)
     return {
-        "alone_p50": statistics.median(alone),
-        "alone_p99": q(alone, n=100)[98],
-        "attacked_p50": statistics.median(attacked),
-        "attacked_p99": q(attacked, n=100)[98],
-        "attacked_max": max(attacked),
-        "slow": sum(1 for ms in attacked if ms > SLOW_MS),
-        "victim_requests": len(attacked),
+        **figures,
         "whole": got.get("whole", 0),
-        "failed": sum(v for k, v in got.items() if k != "whole"),
-        "cpu_s": cpu,
+        "failed": sum(got.values()) - got.get("whole", 0),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--seconds", type=float, default=8.0, help="victim alone, then attacked")
-    p.add_argument("--rate", type=float, default=4.0, help="attacker's streams a second")
-    p.add_argument("--base-src", type=src_dir, help="src/ of another checkout, measured too")
-    p.add_argument("--json", default=str(ROOT / "results" / "hostile_events.json"))
+    add_args(p, 4.0, "streams", "hostile_events")
     args = p.parse_args()
     targets: dict[str, str | None] = {"this tree": None}
     if args.base_src:
@@ -181,17 +126,15 @@ def main() -> None:
                     )
     finally:
         junk.terminate()
-    rows = []
+    rows = medians(rounds)
     print(f"\nvictim: one-token requests one at a time; attacker: {args.rate:g} streams/s")
     print(
         f"{'target':<10}{'alone p50':>10}{'attacked p50':>13}{'p99':>8}{'max':>8}"
         f"{'>10 ms':>7}{'whole':>7}{'failed':>7}{'CPU s':>7}"
     )
-    for target, runs in rounds.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        rows.append({"target": target, **med, "rounds": runs})
+    for med in rows:
         print(
-            f"{target:<10}{med['alone_p50']:>10.2f}"
+            f"{med['target']:<10}{med['alone_p50']:>10.2f}"
             f"{med['attacked_p50']:>13.2f}{med['attacked_p99']:>8.1f}{med['attacked_max']:>8.0f}"
             f"{med['slow']:>7.0f}{med['whole']:>7.0f}{med['failed']:>7.0f}{med['cpu_s']:>7.2f}"
         )
