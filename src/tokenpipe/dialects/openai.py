@@ -164,7 +164,7 @@ class OpenAIDialect(Dialect):
                 elif first.finish_reason is None and first.logprobs is None:
                     if delta is None:
                         piece.may_merge, piece.kind, piece.dialect = True, "text", self
-                    elif (
+                    elif (  # (ABSENT tested first: no call for the usual chunk)
                         delta.role is None
                         and (delta.tool_calls is ABSENT or is_null(delta.tool_calls))
                         and (delta.function_call is ABSENT or is_null(delta.function_call))
