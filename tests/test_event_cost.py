@@ -12,13 +12,13 @@ where time is not.
 
 from __future__ import annotations
 
-import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 import pytest
 
+from tests.traced import peak_bytes
 from tokenpipe import sse
 from tokenpipe.dialects.anthropic import MESSAGES
 from tokenpipe.dialects.base import Dialect, Piece
@@ -108,12 +108,7 @@ def test_an_event_costs_its_bytes_not_its_junk(reader: str, where: str) -> None:
     make, event, _ = READERS[reader]
     body = event(where)
     parser = _parser(make())
-    tracemalloc.start()
-    try:
-        pieces = parser.feed(body)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    pieces, peak = peak_bytes(lambda: parser.feed(body))
     assert peak < PEAK_MAX * len(body), f"{peak / len(body):.1f}x the event"
     assert parser.fault is None
     [piece] = pieces  # read, and passed on
@@ -229,6 +224,12 @@ def _tool_json(reader: str, out: dict[str, Any]) -> Any:
     return orjson.loads(out["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
 
 
+def _translate(dialect: Dialect, body: bytes) -> tuple[Any, bytes]:
+    """The answer as the translation reads it, and as it writes it for the client."""
+    obj = dialect.parse_answer(body)
+    return obj, dialect.answer(body, obj)
+
+
 @pytest.mark.parametrize("where", ["unread", "tool"])
 @pytest.mark.parametrize("reader", list(ANSWERS))
 def test_an_answer_costs_its_bytes_not_its_junk(reader: str, where: str) -> None:
@@ -240,13 +241,7 @@ def test_an_answer_costs_its_bytes_not_its_junk(reader: str, where: str) -> None
     make, answer = ANSWERS[reader]
     body = answer(where)
     dialect = make()
-    tracemalloc.start()
-    try:
-        obj = dialect.parse_answer(body)
-        written = dialect.answer(body, obj)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    (obj, written), peak = peak_bytes(lambda: _translate(dialect, body))
     out = orjson.loads(written)
     limit = 1 if where == "unread" else 24
     assert peak < limit * len(body), f"{peak / len(body):.1f}x the answer"

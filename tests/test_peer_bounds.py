@@ -5,13 +5,13 @@ finish reason, the log lines about an upstream's bad usage counts."""
 from __future__ import annotations
 
 import logging
-import tracemalloc
 from typing import Any
 
 import orjson
 import pytest
 from opentelemetry import trace
 
+from tests.traced import peak_bytes
 from tokenpipe import answer_fields, usage
 from tokenpipe.clock import ManualClock
 from tokenpipe.context import tokens
@@ -96,12 +96,7 @@ def test_a_traced_answer_is_read_for_its_facts_not_parsed_whole() -> None:
     t = RequestTrace(span)
     junk = b"[" + b",".join([b"[]"] * 2_000_000) + b"]"  # 6 MiB, ~170 MiB parsed
     body = b'{"model":"m-1","x":' + junk + b',"choices":[{"finish_reason":"stop"}]}'
-    tracemalloc.start()
-    try:
-        t.answer(200, answer_fields.read(body), body)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    _, peak = peak_bytes(lambda: t.answer(200, answer_fields.read(body), body))
     assert peak < len(body), peak
     assert t.response_model == "m-1" and t.finish_reasons == ["stop"]
     body = b'{"choices": 5, "stop_reason": ["no"], "status": "completed"}'

@@ -4,13 +4,13 @@ upstream without the route is not asked again in front of every completion."""
 from __future__ import annotations
 
 import asyncio
-import tracemalloc
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
 from tests.local_app import serving
+from tests.traced import peak_bytes
 from tokenpipe.context.windows import windows_of
 from tokenpipe.settings import UpstreamSettings
 from tokenpipe.upstream import model_list
@@ -72,12 +72,7 @@ def test_a_model_list_costs_the_fields_read_not_what_it_holds() -> None:
     junk = b"[" + b",".join([b"[]"] * ((4 << 20) // 3)) + b"]"
     entry = b'{"id":"a","max_model_len":4096,"meta":{"n_ctx_train":8192},"x":' + junk + b"}"
     body = b'{"object":"list","data":[' + entry + b',"not an entry",{"id":"b"}],"y":' + junk + b"}"
-    tracemalloc.start()
-    try:
-        data = model_list.read(body)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    data, peak = peak_bytes(lambda: model_list.read(body))
     assert peak < len(body), f"{peak / len(body):.1f}x the answer"
     upstream = HttpUpstream(UpstreamSettings(name="u", url="http://127.0.0.1:9/v1"))
     assert upstream._learn(data, 0.0) == {"a", "b"}
