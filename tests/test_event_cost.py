@@ -112,7 +112,7 @@ def test_an_event_costs_its_bytes_not_its_junk(reader: str, where: str) -> None:
     assert peak < PEAK_MAX * len(body), f"{peak / len(body):.1f}x the event"
     assert parser.fault is None
     [piece] = pieces  # read, and passed on
-    if where == "usage":  # an object over MAX_VALUE_BYTES is not read
+    if where == "usage":  # an object over answer_fields.MAX_VALUE_BYTES is not read
         assert not (piece.usage or {}).get("completion_tokens"), piece.usage
     else:
         assert piece.parts == (["hi"] if where != "tool_calls" else [""]), piece.parts

@@ -20,6 +20,10 @@ import orjson
 #: Largest object value decoded (`usage`, `error`; a real one is under 1 KiB): a larger one
 #: counts as absent, like one of the wrong type.
 MAX_VALUE_BYTES = 64 * 1024
+#: Largest upstream JSON parsed whole when it is not in its API's shape (bytes): an event or
+#: answer a reader could not decode typed (dialects/event_json.py), a /models answer
+#: (upstream/model_list.py). 64 KiB of the costliest JSON (`[]`s) parses in ~2.6 ms.
+MAX_LENIENT_BYTES = 64 * 1024
 #: Choices read for their finish reasons (the chat schema's bound on `n`); an answer with
 #: more gives none.
 MAX_CHOICES = 128

@@ -54,11 +54,8 @@ class Chunk(TypedDict, total=False):
     error: msgspec.Raw
 
 
-class Message(TypedDict, total=False):
-    content: str | None
-    reasoning_content: str | None
-    reasoning: str | None
-    tool_calls: ToolCalls | None
+#: A completion's message: the fields of a chunk's delta.
+Message = Delta
 
 
 class CompletionChoice(TypedDict, total=False):

@@ -65,10 +65,13 @@ def finish_reason(stop: Any) -> str | None:
 # A Messages event as the translation reads it: the fields it turns into chat chunks, and
 # nothing else (event_json.py). TypedDicts, so a decoded event is the plain dict a whole parse
 # gives, holding only these keys, read with `.get` and type checks either way.
-class _StartBlock(TypedDict, total=False):
+class _Block(TypedDict, total=False):  # (a block started, or an answer's)
     type: str | None
+    text: str | None
+    thinking: str | None
     id: str | None
     name: str | None
+    input: msgspec.Raw  # written again as it came: event_json.fragment
 
 
 class _Message(TypedDict, total=False):
@@ -89,19 +92,10 @@ class _Event(TypedDict, total=False):
     type: str | None
     index: int | None
     message: _Message | None
-    content_block: _StartBlock | None
+    content_block: _Block | None
     delta: _Delta | None
     usage: msgspec.Raw
     error: msgspec.Raw
-
-
-class _Block(TypedDict, total=False):  # (an answer's content block)
-    type: str | None
-    text: str | None
-    thinking: str | None
-    id: str | None
-    name: str | None
-    input: msgspec.Raw  # written again as it came: event_json.fragment
 
 
 class _Answer(TypedDict, total=False):

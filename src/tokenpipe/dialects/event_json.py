@@ -11,7 +11,7 @@ without building anything: 8 ms for the same event. So each reader decodes into 
   presence counts) are `msgspec.Raw`: the JSON as sent, never built; an object passed on
   (chat's `logprobs`) is an `Opaque` struct, whose fields are skipped;
 - objects the gateway reads whole (`usage`, `error`) are `Raw` too, and built by `object_of`
-  only up to MAX_VALUE_BYTES (a real one is under 1 KiB);
+  only up to answer_fields.MAX_VALUE_BYTES, 64 KiB (a real one is under 1 KiB);
 - JSON the gateway writes again unchanged (a tool's input, a tool call's arguments) is
   checked and written as it came (`fragment`), never built;
 - the rest (text, reasons, indexes) typed as the API says, its lists bounded (MAX_ITEMS).
@@ -34,9 +34,8 @@ import orjson
 
 from tokenpipe import answer_fields, sse
 
-#: Largest event read whole when its typed decode fails (bytes); see the module docstring.
-#: 64 KiB of the costliest JSON (`[]`s) parses in ~2.6 ms.
-MAX_LENIENT_BYTES = 64 * 1024
+#: Largest event or answer read whole when its typed decode fails (answer_fields.py).
+MAX_LENIENT_BYTES = answer_fields.MAX_LENIENT_BYTES
 #: Entries of a list a reader builds (tool calls in one delta or message, content blocks in
 #: one answer): the bound of a request's messages (openai_schema.MAX_MESSAGES), far above
 #: what a model emits at once, far below the 1.4 M empty objects 4 MiB holds (~100 ms to
@@ -46,16 +45,12 @@ MAX_ITEMS = 10_000
 #: content delta is passed on as it came, unmerged.
 MAX_TEMPLATE_BYTES = MAX_LENIENT_BYTES
 
-#: Largest object field built (`usage`, `error`), as of an answer passed on as sent.
-MAX_VALUE_BYTES = answer_fields.MAX_VALUE_BYTES
-
 #: A Raw field's default: msgspec gives this very object for a field the event leaves out, so
 #: `field is ABSENT` is the per-event test.
 ABSENT = msgspec.Raw()
 NULL = msgspec.Raw(b"null")
 #: Raw JSON that is absent, null or empty: a field that says nothing.
 _NOTHING = (b"", b"null", b"[]", b"{}", b'""', b"false", b"0")
-_decode_object = msgspec.json.Decoder(dict[str, Any]).decode
 
 
 def not_json() -> sse.SSEProtocolError:
@@ -98,14 +93,12 @@ def fragment(raw: msgspec.Raw) -> orjson.Fragment:
 
 
 def object_of(raw: msgspec.Raw) -> dict[str, Any] | None:
-    """A Raw field's value if it is a JSON object of at most MAX_VALUE_BYTES, else None."""
-    if not 0 < len(raw) <= MAX_VALUE_BYTES or memoryview(raw)[:1] != b"{":
-        return None  # absent, null, not an object, or too large
-    try:
-        value = _decode_object(raw)
-    except (msgspec.DecodeError, RecursionError):  # e.g. a number out of a double's range
+    """A Raw field's value if it is a JSON object of at most answer_fields.MAX_VALUE_BYTES,
+    else None."""
+    if memoryview(raw)[:1] != b"{":  # absent, null or not an object: nothing to decode
         return None
-    return value
+    value = answer_fields.value(raw)
+    return value if type(value) is dict else None
 
 
 def raw_object(value: Any) -> msgspec.Raw:

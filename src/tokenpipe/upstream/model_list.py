@@ -22,6 +22,8 @@ from typing import Any, TypedDict
 import msgspec
 import orjson
 
+from tokenpipe.answer_fields import MAX_LENIENT_BYTES
+
 #: What a field read here may hold (anything else fails the typed decode).
 Scalar = str | int | float | bool | None
 
@@ -30,8 +32,6 @@ Scalar = str | int | float | bool | None
 #: `_Entry` and `_Meta` below.
 WINDOW_FIELDS = ("context_window", "max_model_len", "context_length", "n_ctx")
 META_WINDOW_FIELDS = ("n_ctx", "n_ctx_train")
-#: Largest answer parsed whole when its typed decode fails (bytes): 2.6 ms at worst.
-MAX_LENIENT_BYTES = 64 * 1024
 
 
 class _Meta(TypedDict, total=False):
