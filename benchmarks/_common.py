@@ -245,6 +245,32 @@ def bare_relay(sim_url: str, cpu_us: float = 0.0, read: bool = False) -> Service
     return Service(argv=argv, name="reading-relay" if read else "bare-relay")
 
 
+#: The bare aiohttp relay's stand-in for a src/ directory in `gateway_under`'s targets.
+RELAY = "bare relay"
+
+
+def gateway_under(
+    sim_url: str,
+    src: str | None,
+    prefix: list[str],
+    extra: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> Service:
+    """`tokenpipe serve` run from `src` (None: this tree), or the bare relay (src RELAY),
+    in front of a sim, behind `prefix` (a profiler's or counter's command, ending with the
+    Python to run); `extra`: environment for it."""
+    if src == RELAY:
+        argv = [*prefix, str(ROOT / "benchmarks" / "bare_relay.py"), "--upstream", sim_url]
+        return Service(argv=argv, env=extra, name="relay-counted", timeout=timeout)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    env.update(extra or {})
+    argv = [*prefix, "-m", "tokenpipe", "serve", "--port", "0", "--grpc-port", "0"]
+    argv += ["--upstream", sim_url + "/v1", "--log-level", "warning", "--drain-grace-seconds", "0"]
+    return Service(
+        argv=argv, env=env if src or extra else None, name="gateway-counted", timeout=timeout
+    )
+
+
 async def one_token_requests(svc: Service, concurrency: int, requests: int) -> Any:
     """`requests` streamed chat requests of 1 token each (32-token prompts) to the sim's
     model through `svc`, `concurrency` at a time: the request path's load. Returns the

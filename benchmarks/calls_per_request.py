@@ -39,31 +39,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import RATELIMIT_HEADERS_SIM, ROOT, one_token_requests, strace_counts, write_json
+from _common import (
+    RATELIMIT_HEADERS_SIM,
+    RELAY,
+    ROOT,
+    gateway_under,
+    one_token_requests,
+    strace_counts,
+    write_json,
+)
 
 from tokenpipe.bench import procs
 from tokenpipe.bench.procs import Service
 
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
-
-
-#: The bare aiohttp relay's stand-in for a src/ directory in the targets (`--relay`).
-RELAY = "bare relay"
-
-
-def _gateway(
-    sim_url: str, src: str | None, prefix: list[str], extra: dict[str, str] | None = None
-) -> Service:
-    """`tokenpipe serve` run from `src` (None: this tree), or the bare relay (src RELAY),
-    behind `prefix` (the profiler's command)."""
-    if src == RELAY:
-        argv = [*prefix, str(ROOT / "benchmarks" / "bare_relay.py"), "--upstream", sim_url]
-        return Service(argv=argv, env=extra, name="relay-counted")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-    env.update(extra or {})
-    argv = [*prefix, "-m", "tokenpipe", "serve", "--port", "0", "--grpc-port", "0"]
-    argv += ["--upstream", sim_url + "/v1", "--log-level", "warning", "--drain-grace-seconds", "0"]
-    return Service(argv=argv, env=env if src or extra else None, name="gateway-counted")
 
 
 async def _load(svc: Service, requests: int, concurrency: int) -> None:
@@ -85,7 +74,7 @@ async def _profile(sim_url: str, src: str | None, requests: int, args: Any) -> d
     with tempfile.NamedTemporaryFile(suffix=".prof", delete=False) as f:
         out = f.name
     try:
-        with _gateway(sim_url, src, [sys.executable, "-m", "cProfile", "-o", out]) as gw:
+        with gateway_under(sim_url, src, [sys.executable, "-m", "cProfile", "-o", out]) as gw:
             await _load(gw, args.warmup + requests, args.concurrency)
         calls: dict[str, int] = {}
         for key, row in pstats.Stats(out).stats.items():  # type: ignore[attr-defined]
@@ -98,7 +87,7 @@ async def _profile(sim_url: str, src: str | None, requests: int, args: Any) -> d
 
 async def _syscalls(sim_url: str, src: str | None, args: Any) -> dict[str, float]:
     """System calls per request by name, strace -c attached after the warm-up."""
-    with _gateway(sim_url, src, [sys.executable]) as gw:
+    with gateway_under(sim_url, src, [sys.executable]) as gw:
         await _load(gw, args.warmup, args.concurrency)
         async with strace_counts(gw.pid) as counts:
             await _load(gw, args.requests, args.concurrency)
@@ -110,7 +99,7 @@ async def _opcodes(sim_url: str, src: str | None, args: Any) -> dict[str, float]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "opcodes.json")
         prefix = [sys.executable, str(ROOT / "benchmarks" / "_opcodes.py")]
-        with _gateway(sim_url, src, prefix, {"TOKENPIPE_OPCODES_OUT": out}) as gw:
+        with gateway_under(sim_url, src, prefix, {"TOKENPIPE_OPCODES_OUT": out}) as gw:
             await _load(gw, args.warmup, args.concurrency)
             gw.proc.send_signal(signal.SIGUSR1)
             await _load(gw, args.opcode_requests, args.concurrency)
