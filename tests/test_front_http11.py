@@ -478,11 +478,15 @@ def test_a_head_over_its_bounds_is_a_json_4xx_then_close(gw: procs.Service, case
 
 def test_heads_within_the_bounds_are_served(gw: procs.Service) -> None:
     """The bounds are not lower than ordinary clients need: an 8 KiB request line, an 8 KiB
-    header and 64 headers are answered, on one kept-alive connection."""
+    header, three of them (each line within its bound, together over it) and 64 headers are
+    answered, on one kept-alive connection."""
     pad = b"v" * 8192
     heads = [
         b"GET /healthz?pad=%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % pad,
         b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: %s\r\n\r\n" % pad,
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + b"".join(b"X-Pad-%d: %s\r\n" % (i, pad) for i in range(3))
+        + b"\r\n",
         b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         + b"".join(b"X-Pad-%d: v\r\n" % i for i in range(63))
         + b"\r\n",

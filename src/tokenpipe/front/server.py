@@ -197,8 +197,8 @@ class HttpConnection(asyncio.Protocol):
         self._in_head = False
         self._quiet = 0
         fields, self._fields = self._fields, []
-        names, values = fields[::2], fields[1::2]
-        if fields and max(map(operator.add, map(len, names), map(len, values))) > MAX_LINE:
+        # Each line at most MAX_LINE: looked at one by one only when all together are longer.
+        if sum(map(len, fields)) > MAX_LINE and _longest(fields) > MAX_LINE:
             raise Refused("header too long")
         parser = self._parser
         request = Request(
@@ -207,7 +207,7 @@ class HttpConnection(asyncio.Protocol):
             parser.get_method().decode("ascii", "replace"),
             self._url.decode("latin-1"),
             parser.get_http_version(),
-            decoded(names, values),
+            decoded(fields),
             parser.should_keep_alive() and parser.get_http_version() == "1.1",
         )
         self._parsing = request
@@ -392,3 +392,8 @@ class HttpConnection(asyncio.Protocol):
         self._timer = None
         if self._task is None:
             self.transport.close()
+
+
+def _longest(fields: list[bytes]) -> int:
+    """The longest header line's name and value, in bytes."""
+    return max(map(operator.add, map(len, fields[::2]), map(len, fields[1::2])))

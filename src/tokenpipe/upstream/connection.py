@@ -161,7 +161,7 @@ class Connection(asyncio.Protocol):
             self._informational = True
             return
         self._in_head = False
-        headers = decoded(fields[::2], fields[1::2])
+        headers = decoded(fields)
         head = self._head
         resp = UpstreamResponse(self, self.parser.get_status_code(), headers, self._timeout)
         self._resp = resp
