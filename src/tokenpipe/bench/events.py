@@ -88,7 +88,7 @@ class ResponsesRecorder(Recorder):
             kind = ev.event
             if kind is not None:
                 if kind.endswith(".delta"):
-                    if _EMPTY_DELTA not in payload:
+                    if payload.find(_EMPTY_DELTA) < 0:
                         rec.chunk_times.append(now)
                     continue
                 if kind not in _RESPONSES_PARSED:

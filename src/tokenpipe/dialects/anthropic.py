@@ -139,7 +139,7 @@ class MessagesDialect(Dialect):
         except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deep
             raise _fault("upstream sent an event that is not JSON") from None
         kind = ev.type or event or ""
-        if b"\n" in data:  # a multi-line `data:` event (JSON: the line ends are whitespace)
+        if data.find(b"\n") >= 0:  # a multi-line `data:` event (JSON: the line ends are whitespace)
             data = data.replace(b"\n", b" ")
         raw = b"event: " + (event or kind).encode() + b"\ndata: " + data + b"\n\n"
         usage = None

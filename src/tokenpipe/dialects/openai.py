@@ -119,7 +119,7 @@ class OpenAIDialect(Dialect):
             return self._general(data, strip_usage)  # another shape, or numbers out of range
         except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deep
             raise _fault("upstream sent an event that is not JSON") from None
-        if raw is None and b"\n" in data:  # (`_one_line`, inline: this runs per event)
+        if raw is None and data.find(b"\n") >= 0:  # (`_one_line`, inline: it runs per event)
             data = data.replace(b"\n", b" ")
         return self._typed(c, data, raw, strip_usage)
 
@@ -352,7 +352,7 @@ def _one_line(data: bytes) -> bytes:
     """The data of a multi-line `data:` event (its lines joined by LF) on one line, as it is
     re-encoded under one `data: ` prefix. Called only on data that parsed as JSON, where an LF
     can only be whitespace between tokens (a raw LF in a string is not JSON)."""
-    return data.replace(b"\n", b" ") if b"\n" in data else data
+    return data.replace(b"\n", b" ") if data.find(b"\n") >= 0 else data
 
 
 def _without_usage(data: bytes) -> bytes | None:

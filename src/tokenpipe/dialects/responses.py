@@ -139,7 +139,7 @@ class ResponsesDialect(Dialect):
         except (msgspec.DecodeError, RecursionError):
             raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
         if raw is None:
-            data = data.replace(b"\n", b" ") if b"\n" in data else data
+            data = data.replace(b"\n", b" ") if data.find(b"\n") >= 0 else data
             raw = (b"event: " + event.encode() + b"\ndata: " if event else b"data: ") + data
             raw += b"\n\n"
         seq = e.sequence_number
