@@ -12,6 +12,8 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py                      # ~2 min
     python benchmarks/request_instructions.py --base-src ../base/src --tokens 64
     python benchmarks/request_instructions.py --top 30             # the costliest functions
+    python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
+    callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
 Each target runs under `valgrind --tool=callgrind --instr-atstart=no` (near native speed
 until counting starts). After `--warmup` requests at full speed, counting starts
@@ -142,6 +144,9 @@ class Counted:
 async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
+        if args.keep:  # the dumps kept for callgrind_annotate, a folder a target
+            folder = Path(args.keep) / (src or "this tree").strip("./").replace("/", "_")
+            folder.mkdir(parents=True, exist_ok=True)
         prefix = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
         prefix += [f"--callgrind-out-file={folder / 'cg.out'}", sys.executable]
         # PYTHONHASHSEED: the same dict and set layouts in every run and target.
@@ -243,6 +248,7 @@ def main() -> None:
     p.add_argument("--base-src", help="add tokenpipe run from this src/ directory (PYTHONPATH)")
     p.add_argument("--no-relay", action="store_true", help="leave the bare relay out")
     p.add_argument("--top", type=int, default=15, help="functions listed (0: none)")
+    p.add_argument("--keep", help="keep each target's dumps in a folder under this one")
     p.add_argument("--json", default="results/request_instructions.json")
     args = p.parse_args()
     for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):

@@ -8,6 +8,7 @@ every other request waited behind their parses."""
 from __future__ import annotations
 
 import hashlib
+import random
 from pathlib import Path
 
 import aiohttp
@@ -54,6 +55,25 @@ def test_the_estimate_follows_the_containers_not_the_bytes() -> None:
     assert bodies.containers(text) < bodies.PARSE_FREE_CONTAINERS  # never charged
     cost = bodies.parse_seconds(bodies.containers(junk))
     assert 0.08 < cost < 0.2  # hostile_cost.py --case body: ~0.11 s measured
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_brackets_found_one_by_one_count_as_a_scan_would(seed: int) -> None:
+    """Bodies on both sides of FIND_FROM_BYTES, with brackets few, past FIND_AT_MOST, and
+    at the very start and end: the count is exact either way."""
+    rng = random.Random(seed)
+    for _ in range(300):
+        size = rng.choice([0, 1, bodies.FIND_FROM_BYTES - 1, bodies.FIND_FROM_BYTES])
+        size += rng.randrange(3 * bodies.FIND_FROM_BYTES) if rng.random() < 0.5 else 0
+        dense = rng.choice([0.0, 0.001, 0.01, 0.3])
+        body = bytearray(rng.choice(b'ab \\"') for _ in range(size))
+        for i in range(size):
+            if rng.random() < dense:
+                body[i] = rng.choice(b"{[")
+        if size and rng.random() < 0.3:
+            body[0], body[-1] = ord("{"), ord("[")
+        data = bytes(body)
+        assert bodies.containers(data) == data.count(b"{") + data.count(b"["), (seed, size)
 
 
 def _sha(key: str) -> str:

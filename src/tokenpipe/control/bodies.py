@@ -56,11 +56,34 @@ PARSE_FREE_CONTAINERS = 10_000
 PARSE_BURST_SECONDS = 0.5
 
 
+#: Bodies from this size have their brackets found one by one before they are counted.
+#: bytes.count of one byte is a plain loop (~0.3 ns a byte: two of them took 49 us for 64
+#: KiB, 2.6 times orjson's parse of as much text); bytes.find is memchr (~0.01 ns a byte,
+#: ~0.1 us a call). Text holds few brackets; a smaller body is counted at once (< 2.5 us).
+FIND_FROM_BYTES = 4096
+#: Brackets of one kind found one by one; past them, the rest of the body is counted (a
+#: body of many containers: at most ~6 us more than counting it at once).
+FIND_AT_MOST = 32
+
+
 def containers(body: bytes) -> int:
-    """The JSON objects and arrays in `body`, counted by its brackets (two C scans, 0.56 ms a
-    MiB: 37 us for 64 KiB, about twice orjson's parse of as much text). A bracket inside a
-    string counts too: every figure drawn from it is on the high side."""
-    return body.count(b"{") + body.count(b"[")
+    """The JSON objects and arrays in `body`, counted by its brackets (64 KiB of text: ~2 us).
+    A bracket inside a string counts too: every figure drawn from it is on the high side."""
+    if len(body) < FIND_FROM_BYTES:
+        return body.count(b"{") + body.count(b"[")
+    return _brackets(body, b"{") + _brackets(body, b"[")
+
+
+def _brackets(body: bytes, bracket: bytes) -> int:
+    find = body.find
+    n = 0
+    at = find(bracket)
+    while at >= 0:
+        n += 1
+        if n == FIND_AT_MOST:  # many: the rest, from this one on, counted by one scan
+            return n - 1 + body.count(bracket, at)
+        at = find(bracket, at + 1)
+    return n
 
 
 def estimate(body: bytes, count: int | None = None) -> int:
