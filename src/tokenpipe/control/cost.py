@@ -54,7 +54,8 @@ def estimate_text(text: str) -> int:
         return 0
     # Counting separators is C speed with no allocation (split() would copy the prompt).
     words = text.count(" ") + text.count("\n") + 1
-    return max(words, math.ceil(len(text) / 4))
+    chars = math.ceil(len(text) / 4)
+    return words if words > chars else chars
 
 
 def _content(content: Any) -> str:
@@ -76,7 +77,8 @@ class Cost:
     output_param: str = "max_tokens"
 
     def _capped(self, n: int) -> int:
-        return n if self.cap is None else min(n, self.cap)
+        cap = self.cap
+        return n if cap is None or n < cap else cap
 
     @property
     def tokens(self) -> int:

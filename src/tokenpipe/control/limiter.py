@@ -327,7 +327,8 @@ class Limiter:
         self.inflight -= 1  # first: the slot comes back whatever the bookkeeping below does
         if permit.grew:
             self.accepted -= 1
-        self._held = 0.8 * self._held + 0.2 * max(0.0, self.clock.now() - permit.granted_at)
+        held = self.clock.now() - permit.granted_at  # (max(): ~700 instructions)
+        self._held = 0.8 * self._held + (0.2 * held if held > 0.0 else 0.0)
         try:
             if not sent:
                 self.store.give(self.scope, self.limits, 1.0, permit.tokens)

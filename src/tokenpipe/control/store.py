@@ -143,11 +143,13 @@ class MemoryStore:
 
     def reserve_now(self, scope: str, limits: Limits, tokens: float) -> Decision:
         s = self._scope(scope, limits)
-        wait = max(0.0, s.paused_until - self.clock.now())
-        if s.requests is not None:
-            wait = max(wait, s.requests.wait_for(1.0))
-        if s.tokens is not None:
-            wait = max(wait, s.tokens.wait_for(tokens))
+        wait = s.paused_until - self.clock.now()  # (max(): ~700 instructions)
+        if wait < 0.0:
+            wait = 0.0
+        if s.requests is not None and (w := s.requests.wait_for(1.0)) > wait:
+            wait = w
+        if s.tokens is not None and (w := s.tokens.wait_for(tokens)) > wait:
+            wait = w
         if wait == 0.0:  # both admitted just now (wait_for): charged without a second look
             if s.requests is not None:
                 s.requests.commit(1.0)

@@ -161,7 +161,7 @@ def deadline_for(policy: Policy, req: Request, upstream: HttpUpstream) -> float 
         return None
     ttft = policy.ttft_deadline(upstream.name, req.model, req.cls)
     cap = upstream.settings.read_timeout_seconds
-    return cap if ttft is None else min(ttft, cap)
+    return cap if ttft is None or ttft > cap else ttft  # (min(): ~700 instructions)
 
 
 async def send(

@@ -71,8 +71,8 @@ async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> 
     # Most first responses bring content before the hedge delay: read inline (no task, no
     # wait set) until the earlier of hedge time and TTFT deadline; the race below starts
     # only when that passes.
-    due = ttft_end if hedge_at is None else min(hedge_at, ttft_end)
-    timer = Timeout(max(0.0, due - now))
+    due = ttft_end if hedge_at is None or hedge_at > ttft_end else hedge_at
+    timer = Timeout(due - now if due > now else 0.0)  # (max(): ~700 instructions)
     try:
         with timer:
             await read_body(uresp, parser, acc, until_first=True)
