@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
-from tokenpipe.control.breaker import CircuitBreaker, State
+from tokenpipe.control.breaker import CLOSED, OPEN, CircuitBreaker, State
 from tokenpipe.control.budget import RatioBudget
 from tokenpipe.control.deadline import AdaptiveDeadline
 from tokenpipe.control.quantiles import RollingQuantiles
@@ -74,9 +74,9 @@ class Policy:
             u.name: CircuitBreaker(b.failures, b.cooldown_seconds, clock) for u in router.upstreams
         }
         # The circuit state gauge, set when it changes (it is looked at on every request).
-        self._shown = dict.fromkeys(self.breakers, State.CLOSED)
+        self._shown = dict.fromkeys(self.breakers, CLOSED)
         for name in self.breakers:
-            metrics.UPSTREAM_STATE.labels(name).set(int(State.CLOSED))
+            metrics.UPSTREAM_STATE.labels(name).set(int(CLOSED))
         # (upstream, model, prompt class) -> TTFT; (upstream, model) -> gaps between reads.
         self._ttft: dict[tuple[str, str, int], RollingQuantiles] = {}
         self._gap: dict[tuple[str, str], RollingQuantiles] = {}
@@ -227,7 +227,7 @@ class Policy:
         was = b.state
         b.failure()
         self._show(name)
-        if b.state is State.OPEN and was is not State.OPEN:
+        if b.state is OPEN and was is not OPEN:
             log.warning("upstream %s taken out for %.1f s (circuit open)", name, b.cooldown)
 
     def upstream_state(self, name: str) -> State:
