@@ -245,8 +245,10 @@ def bare_relay(sim_url: str, cpu_us: float = 0.0, read: bool = False) -> Service
     return Service(argv=argv, name="reading-relay" if read else "bare-relay")
 
 
-#: The bare aiohttp relay's stand-in for a src/ directory in `gateway_under`'s targets.
+#: The bare aiohttp relay's stand-in for a src/ directory in `gateway_under`'s targets, and
+#: the relay that decodes the request and each event it forwards (`bare_relay.py --read`).
 RELAY = "bare relay"
+READING_RELAY = "reading relay"
 
 
 def gateway_under(
@@ -259,8 +261,9 @@ def gateway_under(
     """`tokenpipe serve` run from `src` (None: this tree), or the bare relay (src RELAY),
     in front of a sim, behind `prefix` (a profiler's or counter's command, ending with the
     Python to run); `extra`: environment for it."""
-    if src == RELAY:
+    if src in (RELAY, READING_RELAY):
         argv = [*prefix, str(ROOT / "benchmarks" / "bare_relay.py"), "--upstream", sim_url]
+        argv += ["--read"] if src == READING_RELAY else []
         return Service(argv=argv, env=extra, name="relay-counted", timeout=timeout)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     env.update(extra or {})
@@ -271,17 +274,19 @@ def gateway_under(
     )
 
 
-async def one_token_requests(svc: Service, concurrency: int, requests: int) -> Any:
-    """`requests` streamed chat requests of 1 token each (32-token prompts) to the sim's
-    model through `svc`, `concurrency` at a time: the request path's load. Returns the
-    load's result (its `records`)."""
+async def one_token_requests(
+    svc: Service, concurrency: int, requests: int, prompt_tokens: int = 32
+) -> Any:
+    """`requests` streamed chat requests of 1 token each (32-token prompts, ~4.4 bytes a
+    token) to the sim's model through `svc`, `concurrency` at a time: the request path's
+    load. Returns the load's result (its `records`)."""
     return await run_load(
         svc.url + "/v1",
         "sim-model",
         concurrency=concurrency,
         requests=requests,
         max_tokens=1,
-        prompt_tokens=32,
+        prompt_tokens=prompt_tokens,
     )
 
 

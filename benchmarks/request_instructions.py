@@ -12,6 +12,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py                      # ~2 min
     python benchmarks/request_instructions.py --base-src ../base/src --tokens 64
     python benchmarks/request_instructions.py --top 30             # the costliest functions
+    python benchmarks/request_instructions.py --prompt 16000       # ~70 KB prompts
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -20,7 +21,8 @@ until counting starts). After `--warmup` requests at full speed, counting starts
 (`callgrind_control -i on`), `--warmup` more requests run counted and are dropped (a dump
 zeroes the counters), then each round's requests run and a dump reads their count.
 A dump is taken when the process next wakes, so each is triggered by one extra 1-token
-request, which then counts in the next round: a round is its requests plus one. With
+request (a 32-token prompt), which then counts in the next round: a round is its requests
+plus one. With
 `--tokens T`, each round also sends `--long-requests` of T tokens: a token's cost is what a
 long request costs past a 1-token one, over its T - 1 more tokens.
 
@@ -43,7 +45,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from _common import RELAY, gateway_under, one_token_requests, write_json
+from _common import READING_RELAY, RELAY, gateway_under, one_token_requests, write_json
 
 from tokenpipe.bench import procs, run_load
 from tokenpipe.bench.procs import Service
@@ -162,7 +164,7 @@ async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> di
             functions: dict[str, tuple[int, str]] = {}
             for r in range(args.rounds):
                 print(f"    round {r + 1}/{args.rounds}", flush=True)
-                await one_token_requests(svc, args.concurrency, args.requests)
+                await one_token_requests(svc, args.concurrency, args.requests, args.prompt)
                 path = await counted.dump()
                 short.append(_totals(path) / (args.requests + 1))
                 for name, (n, obj) in _by_function(path).items():
@@ -195,6 +197,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets: list[tuple[str, str | None]] = [("this tree", None)]
     targets += [("base", args.base_src)] if args.base_src else []
     targets += [] if args.no_relay else [(RELAY, RELAY)]
+    targets += [(READING_RELAY, READING_RELAY)] if args.reading_relay else []
     results: dict[str, Any] = {}
     with procs.sim("--ttft-ms", "0", "--itl-ms", "0") as sim:
         for name, src in targets:
@@ -206,7 +209,10 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
 def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
     names = list(results)
     relay = results.get(RELAY)
-    print(f"\nInstructions (callgrind Ir, user space) per 1-token request, {args.rounds} rounds")
+    print(
+        f"\nInstructions (callgrind Ir, user space) per 1-token request, {args.prompt}-token"
+        f" prompt, {args.rounds} rounds"
+    )
     print(f"{'target':<12} {'a request':>10} {'rounds':>19} {'x relay':>8} {'a token':>9}")
     for name in names:
         r = results[name]
@@ -243,10 +249,16 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=500, help="1-token requests a round")
     p.add_argument("--warmup", type=int, default=200, help="requests before counting, and after")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument(
+        "--prompt", type=int, default=32, help="the measured requests' prompt, in tokens"
+    )
     p.add_argument("--tokens", type=int, default=0, help="tokens of the long requests (0: none)")
     p.add_argument("--long-requests", type=int, default=20, help="long requests a round")
     p.add_argument("--base-src", help="add tokenpipe run from this src/ directory (PYTHONPATH)")
     p.add_argument("--no-relay", action="store_true", help="leave the bare relay out")
+    p.add_argument(
+        "--reading-relay", action="store_true", help="+ the relay decoding what it forwards"
+    )
     p.add_argument("--top", type=int, default=15, help="functions listed (0: none)")
     p.add_argument("--keep", help="keep each target's dumps in a folder under this one")
     p.add_argument("--json", default="results/request_instructions.json")

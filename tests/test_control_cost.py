@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+from tokenpipe.control import cost
 from tokenpipe.control.cost import estimate_text, of_request
 from tokenpipe.engines.sim import text
 
@@ -9,6 +12,20 @@ from tokenpipe.engines.sim import text
 def test_prompt_estimate_does_not_undershoot_word_counts_or_four_chars_per_token() -> None:
     for sample in ("hi", "a b c d e f", "x" * 400, "one two\nthree four", ""):
         assert estimate_text(sample) >= text.count_tokens(sample)
+        assert estimate_text(sample) >= len(sample) / 4
+
+
+def test_a_long_prompt_is_estimated_from_samples_as_closely_as_counted_whole() -> None:
+    """Past EXACT_CHARS the separators are counted in three samples: texts alike throughout
+    (a list of numbers, indented code, prose) are estimated within 1% of the whole count,
+    and never below four characters a token."""
+    numbers = " ".join(str(i % 100) for i in range(40_000))
+    code = "    def f(x):\n        return x + 1\n" * 3000
+    prose = "The quick brown fox jumps over the lazy dog.\n" * 2000
+    for sample in (numbers, code, prose):
+        assert len(sample) > cost.EXACT_CHARS
+        whole = max(sample.count(" ") + sample.count("\n") + 1, math.ceil(len(sample) / 4))
+        assert abs(estimate_text(sample) - whole) <= whole / 100, sample[:40]
         assert estimate_text(sample) >= len(sample) / 4
 
 
