@@ -33,7 +33,8 @@ def count(value: object) -> int:
 
 def clean(usage: object, upstream: str = "?") -> dict[str, Any] | None:
     """`usage` with every bad count dropped; None when it is not an object or holds no count."""
-    if not isinstance(usage, Mapping) or not usage:
+    # A dict is asked for first: an ABC's isinstance costs ~700 machine instructions.
+    if (type(usage) is not dict and not isinstance(usage, Mapping)) or not usage:
         return None
     out = dict(usage)
     counted = False

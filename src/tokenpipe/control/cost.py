@@ -29,6 +29,8 @@ PER_REPLY = 3
 MAX_OUTPUT_TOKENS = 100_000_000
 #: Usage counts believed from an upstream (tokens); a larger or negative one is ignored.
 MAX_USAGE = 1 << 53
+#: A tuple, not `int | float`, which builds a union object at each call.
+_NUMBERS = (int, float)
 #: Most choices (`n`) a request is charged for: the chat and completions schemas' own bound.
 MAX_CHOICES = 128
 
@@ -173,7 +175,7 @@ def of_request(
     if "max_output_tokens" in obj and "messages" not in obj:  # the Responses API
         param = "max_output_tokens"
     maximum = obj.get(param)
-    numeric = isinstance(maximum, int | float) and not isinstance(maximum, bool)
+    numeric = isinstance(maximum, _NUMBERS) and not isinstance(maximum, bool)
     if (
         numeric
         and maximum is not None

@@ -31,7 +31,6 @@ import contextlib
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
@@ -123,8 +122,9 @@ class Limiter:
         self._task: asyncio.Task[None] | None = None
         self._last: Decision | None = None
         #: Permits the upstream has not answered yet, oldest first (with header learning
-        #: only). Bound: the permits in flight; each leaves at its answer or its release.
-        self._unanswered: OrderedDict[Permit, None] = OrderedDict()
+        #: only; a dict keeps the order: OrderedDict's pop costs ~3x as much). Bound: the
+        #: permits in flight; each leaves at its answer or its release.
+        self._unanswered: dict[Permit, None] = {}
         self._m_wait = metrics.LIMITER_WAIT.labels(name)
         self._m_429 = metrics.UPSTREAM_429.labels(name)
         self._m_conc = metrics.CONCURRENCY_LIMIT.labels(name)
@@ -302,7 +302,7 @@ class Limiter:
             oldest = next(iter(pending))
             if oldest.granted_at >= cutoff:
                 break
-            pending.popitem(last=False)  # long on its way: the upstream has it
+            del pending[oldest]  # long on its way: the upstream has it
         else:
             return permit.decision
         d, mine = oldest.decision, permit.decision

@@ -158,7 +158,7 @@ class RequestTrace:
                 attrs["gen_ai.request.max_tokens"] = value
                 break
         temperature = obj.get("temperature")
-        if isinstance(temperature, int | float) and not isinstance(temperature, bool):
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
             attrs["gen_ai.request.temperature"] = float(temperature)
         if self.capture:
             for field in ("messages", "input", "prompt"):

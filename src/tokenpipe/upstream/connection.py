@@ -8,12 +8,14 @@ UpstreamProtocolError, a close or break before the response ended an UpstreamDis
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 from typing import Protocol, cast
 
 import httptools
 
 from tokenpipe.http_fields import decoded
+from tokenpipe.upstream import reuse
 from tokenpipe.upstream.errors import UpstreamDisconnected, UpstreamProtocolError
 from tokenpipe.upstream.response import UpstreamResponse
 
@@ -60,7 +62,9 @@ class Connection(asyncio.Protocol):
         self.lost = False
         self.peer_closed = False  # its FIN was seen: never reused
         self.idle_since = 0.0
-        self.fd = -1  # the socket polled before reuse (-1: TLS, whose records may be pending)
+        # The socket's poll object, looked at before reuse (None: TLS, whose records may be
+        # pending; upstream/reuse.py).
+        self.poller: select.poll | None = None
         self.uses = 0  # requests sent on it
         self.answered = False  # a byte of the current request's answer arrived
         self._paused = False
@@ -87,7 +91,7 @@ class Connection(asyncio.Protocol):
             # ends its autotuning), which needs no window scale of its own.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer_bytes)
         if transport.get_extra_info("sslcontext") is None:
-            self.fd = sock.fileno()
+            self.poller = reuse.watch(sock.fileno())
 
     def data_received(self, data: bytes) -> None:
         self._quiet += len(data)
