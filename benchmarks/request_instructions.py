@@ -13,6 +13,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --base-src ../base/src --tokens 64
     python benchmarks/request_instructions.py --top 30             # the costliest functions
     python benchmarks/request_instructions.py --prompt 16000       # ~70 KB prompts
+    python benchmarks/request_instructions.py --tokens 64 --itl-ms 2   # paced tokens
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -199,7 +200,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets += [] if args.no_relay else [(RELAY, RELAY)]
     targets += [(READING_RELAY, READING_RELAY)] if args.reading_relay else []
     results: dict[str, Any] = {}
-    with procs.sim("--ttft-ms", "0", "--itl-ms", "0") as sim:
+    with procs.sim("--ttft-ms", "0", "--itl-ms", str(args.itl_ms)) as sim:
         for name, src in targets:
             print(f"  {name}", flush=True)
             results[name] = await _target(sim.url, src, args)
@@ -254,6 +255,13 @@ def main() -> None:
     )
     p.add_argument("--tokens", type=int, default=0, help="tokens of the long requests (0: none)")
     p.add_argument("--long-requests", type=int, default=20, help="long requests a round")
+    p.add_argument(
+        "--itl-ms",
+        type=float,
+        default=0.0,
+        help="the sim's gap between tokens (0: a long answer's events arrive together, a few"
+        " to a read; 2: one a read, as from a paced model)",
+    )
     p.add_argument("--base-src", help="add tokenpipe run from this src/ directory (PYTHONPATH)")
     p.add_argument("--no-relay", action="store_true", help="leave the bare relay out")
     p.add_argument(
