@@ -14,7 +14,8 @@ limit starts at `limits.initial_concurrency`, 32).
     python benchmarks/burst.py --rounds 1 --profile results/burst_profile.txt
 
 Each gateway is started fresh for its burst (a cold limit, as after a deploy), one target
-after the other against the same sim; `--rounds` bursts per target, medians of the rounds.
+after the other against the same sim, their order turned by one place each round; `--rounds`
+bursts per target, medians of the rounds.
 `limiter wait` is the gateway's own `tokenpipe_limiter_wait_seconds`: its sum over the
 burst's requests and the share of them that waited at all (not shown with `--workers` N > 1:
 each worker keeps its own, and /metrics is answered by one of them). Below the table: the
@@ -317,7 +318,12 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             pin(sim.pid, 1)
             pin(os.getpid(), 1)
         for r in range(args.rounds):
-            for name, src in targets.items():
+            # Each target takes each place in a round's order in turn: the one right after
+            # another's burst ran slower (2026-12-07, pinned: this tree and the base each
+            # +100-200 ms when placed after direct, in two runs with the order fixed).
+            order = list(targets.items())
+            order = order[r % len(order) :] + order[: r % len(order)]
+            for name, src in order:
                 before = _sim_errors(sim)
                 with _target(name, sim, src, args) as (url, gw):
                     x = await _round(url, gw, args, metrics=name not in (RELAY, NGINX))
