@@ -257,10 +257,12 @@ def gateway_under(
     prefix: list[str],
     extra: dict[str, str] | None = None,
     timeout: float = 60.0,
+    upstream: list[str] | None = None,
 ) -> Service:
     """`tokenpipe serve` run from `src` (None: this tree), or the bare relay (src RELAY),
     in front of a sim, behind `prefix` (a profiler's or counter's command, ending with the
-    Python to run); `extra`: environment for it."""
+    Python to run); `extra`: environment for it; `upstream`: the gateway's arguments naming
+    its upstream (default: `--upstream SIM/v1`, the sim as an OpenAI API)."""
     if src in (RELAY, READING_RELAY):
         argv = [*prefix, str(ROOT / "benchmarks" / "bare_relay.py"), "--upstream", sim_url]
         argv += ["--read"] if src == READING_RELAY else []
@@ -268,18 +270,19 @@ def gateway_under(
     env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
     env.update(extra or {})
     argv = [*prefix, "-m", "tokenpipe", "serve", "--port", "0", "--grpc-port", "0"]
-    argv += ["--upstream", sim_url + "/v1", "--log-level", "warning", "--drain-grace-seconds", "0"]
+    argv += upstream if upstream is not None else ["--upstream", sim_url + "/v1"]
+    argv += ["--log-level", "warning", "--drain-grace-seconds", "0"]
     return Service(
         argv=argv, env=env if src or extra else None, name="gateway-counted", timeout=timeout
     )
 
 
 async def one_token_requests(
-    svc: Service, concurrency: int, requests: int, prompt_tokens: int = 32
+    svc: Service, concurrency: int, requests: int, prompt_tokens: int = 32, api: str = "chat"
 ) -> Any:
-    """`requests` streamed chat requests of 1 token each (32-token prompts, ~4.4 bytes a
-    token) to the sim's model through `svc`, `concurrency` at a time: the request path's
-    load. Returns the load's result (its `records`)."""
+    """`requests` streamed requests of 1 token each (32-token prompts, ~4.4 bytes a token;
+    `api`: chat, responses or messages) to the sim's model through `svc`, `concurrency` at a
+    time: the request path's load. Returns the load's result (its `records`)."""
     return await run_load(
         svc.url + "/v1",
         "sim-model",
@@ -287,6 +290,7 @@ async def one_token_requests(
         requests=requests,
         max_tokens=1,
         prompt_tokens=prompt_tokens,
+        api=api,
     )
 
 

@@ -14,6 +14,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --top 30             # the costliest functions
     python benchmarks/request_instructions.py --prompt 16000       # ~70 KB prompts
     python benchmarks/request_instructions.py --tokens 64 --itl-ms 2   # paced tokens
+    python benchmarks/request_instructions.py --path "messages via chat"  # a translation
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -22,10 +23,11 @@ until counting starts). After `--warmup` requests at full speed, counting starts
 (`callgrind_control -i on`), `--warmup` more requests run counted and are dropped (a dump
 zeroes the counters), then each round's requests run and a dump reads their count.
 A dump is taken when the process next wakes, so each is triggered by one extra 1-token
-request (a 32-token prompt), which then counts in the next round: a round is its requests
-plus one. With
-`--tokens T`, each round also sends `--long-requests` of T tokens: a token's cost is what a
-long request costs past a 1-token one, over its T - 1 more tokens.
+chat request (a 32-token prompt), which then counts in the next round: a round is its
+requests plus one (with another `--path`, that one request is of another path: a few
+hundredths of a percent). With `--tokens T`, each round also sends `--long-requests` of T
+tokens: a token's cost is what a long request costs past a 1-token one, over its T - 1 more
+tokens.
 
 The table's instructions are user-space instructions executed (callgrind's Ir), not time:
 the interpreter's own loop runs ~3 a cycle here, memory-bound code fewer. `--top` lists the
@@ -46,7 +48,14 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from _common import READING_RELAY, RELAY, gateway_under, one_token_requests, write_json
+from _common import (
+    READING_RELAY,
+    RELAY,
+    ROOT,
+    gateway_under,
+    one_token_requests,
+    write_json,
+)
 
 from tokenpipe.bench import procs, run_load
 from tokenpipe.bench.procs import Service
@@ -74,6 +83,17 @@ KINDS = (
     ("Python-3", "interpreter: the rest"),
     ("libpython", "interpreter: the rest"),
 )
+
+#: The request paths `--path` measures: the API the client speaks and the gateway's upstream
+#: (the sim serves all three APIs; "X via Y": the gateway translates X onto the sim's Y).
+PATHS = {
+    "chat": ("chat", "openai"),
+    "responses": ("responses", "openai"),  # (`responses: auto`: passed on natively)
+    "messages": ("messages", "anthropic"),
+    "messages via chat": ("messages", "openai"),
+    "responses via chat": ("responses", "openai, responses: chat"),
+    "chat via messages": ("chat", "anthropic"),
+}
 
 _ANNOTATED = re.compile(r"^\s*([\d,]+) \([ \d.]+%\)\s+(\S.*?)(?: \[(.+)\])?$")
 
@@ -144,7 +164,20 @@ class Counted:
         return self.folder / f"cg.out.{self.dumps}"
 
 
+def _upstream(kind: str, sim_url: str) -> list[str]:
+    """The gateway's arguments naming the sim as an upstream of `kind` (PATHS)."""
+    if kind == "anthropic":
+        return ["--upstream", "anthropic+" + sim_url]
+    if kind == "openai, responses: chat":
+        path = ROOT / ".cache" / "instructions-responses-chat.yaml"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"upstreams:\n  - {{name: sim, url: '{sim_url}/v1', responses: chat}}\n")
+        return ["--config", str(path)]
+    return ["--upstream", sim_url + "/v1"]
+
+
 async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    api, kind = PATHS[args.path]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         if args.keep:  # the dumps kept for callgrind_annotate, a folder a target
@@ -154,18 +187,19 @@ async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> di
         prefix += [f"--callgrind-out-file={folder / 'cg.out'}", sys.executable]
         # PYTHONHASHSEED: the same dict and set layouts in every run and target.
         env = {"PYTHONHASHSEED": "0"}
-        with gateway_under(sim_url, src, prefix, env, timeout=300) as svc:
+        upstream = _upstream(kind, sim_url)
+        with gateway_under(sim_url, src, prefix, env, timeout=300, upstream=upstream) as svc:
             counted = Counted(svc, folder)
-            await one_token_requests(svc, args.concurrency, args.warmup)
+            await one_token_requests(svc, args.concurrency, args.warmup, api=api)
             await counted.start()
-            await one_token_requests(svc, args.concurrency, args.warmup)
+            await one_token_requests(svc, args.concurrency, args.warmup, api=api)
             await counted.dump()  # the warm-up, dropped
             short: list[float] = []
             long: list[float] = []
             functions: dict[str, tuple[int, str]] = {}
             for r in range(args.rounds):
                 print(f"    round {r + 1}/{args.rounds}", flush=True)
-                await one_token_requests(svc, args.concurrency, args.requests, args.prompt)
+                await one_token_requests(svc, args.concurrency, args.requests, args.prompt, api=api)
                 path = await counted.dump()
                 short.append(_totals(path) / (args.requests + 1))
                 for name, (n, obj) in _by_function(path).items():
@@ -179,6 +213,7 @@ async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> di
                         requests=args.long_requests,
                         max_tokens=args.tokens,
                         prompt_tokens=32,
+                        api=api,
                     )
                     path = await counted.dump()
                     # The request that woke the dump was a 1-token one: its count is taken out.
@@ -211,8 +246,8 @@ def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
     names = list(results)
     relay = results.get(RELAY)
     print(
-        f"\nInstructions (callgrind Ir, user space) per 1-token request, {args.prompt}-token"
-        f" prompt, {args.rounds} rounds"
+        f"\nInstructions (callgrind Ir, user space) per 1-token request, {args.path},"
+        f" {args.prompt}-token prompt, {args.rounds} rounds"
     )
     print(f"{'target':<12} {'a request':>10} {'rounds':>19} {'x relay':>8} {'a token':>9}")
     for name in names:
@@ -252,6 +287,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument(
         "--prompt", type=int, default=32, help="the measured requests' prompt, in tokens"
+    )
+    p.add_argument(
+        "--path",
+        choices=list(PATHS),
+        default="chat",
+        help="the client's API and the upstream's: a native path or a translation (the"
+        " relays forward the client's API to the sim as it is)",
     )
     p.add_argument("--tokens", type=int, default=0, help="tokens of the long requests (0: none)")
     p.add_argument("--long-requests", type=int, default=20, help="long requests a round")

@@ -53,8 +53,9 @@ def messages_usage(usage: Any) -> dict[str, int]:
     prompt = count(usage.get("prompt_tokens"))
     details = usage.get("prompt_tokens_details")
     cached = count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    uncached = prompt - cached  # (a comparison: max() is ~750 machine instructions)
     return {
-        "input_tokens": max(0, prompt - cached),
+        "input_tokens": uncached if uncached > 0 else 0,
         "output_tokens": count(usage.get("completion_tokens")),
         "cache_read_input_tokens": cached,
     }
