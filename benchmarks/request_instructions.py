@@ -152,7 +152,11 @@ class Counted:
             stderr=asyncio.subprocess.DEVNULL,
         )
         await one_token_requests(self.svc, 1, 1)
-        await asyncio.wait_for(cmd.wait(), 120)
+        if await asyncio.wait_for(cmd.wait(), 120) != 0:
+            raise RuntimeError(
+                f"callgrind_control {' '.join(args)} failed for pid {self.svc.pid}:"
+                f" is it running under valgrind?\n{self.svc.output()[-2000:]}"
+            )
 
     async def start(self) -> None:
         await self._control("-i", "on")
