@@ -205,13 +205,18 @@ def gateway(
     return svc
 
 
-def gateway_with(name: str, config: str) -> Service:
-    """`tokenpipe serve` with the config `config` (YAML, written to .cache/NAME.yaml) and
-    nothing of the command line's in its way (its upstreams are the config's)."""
+def config_file(name: str, config: str) -> Path:
+    """`config` (YAML) written to .cache/NAME.yaml, for a gateway's `--config`."""
     path = ROOT / ".cache" / f"{name}.yaml"
     path.parent.mkdir(exist_ok=True)
     path.write_text(config)
-    return procs.gateway("--config", str(path), "--log-level", "warning")
+    return path
+
+
+def gateway_with(name: str, config: str) -> Service:
+    """`tokenpipe serve` with the config `config` (YAML, written to .cache/NAME.yaml) and
+    nothing of the command line's in its way (its upstreams are the config's)."""
+    return procs.gateway("--config", str(config_file(name, config)), "--log-level", "warning")
 
 
 #: tokenpipe with every optional layer off (`--features-off` of relay_cost.py and overhead.py),
@@ -230,10 +235,7 @@ context: {policy: "off"}
 
 def features_off_config() -> Path:
     """FEATURES_OFF written to a file for `gateway(config=...)`."""
-    path = ROOT / ".cache" / "features-off.yaml"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(FEATURES_OFF)
-    return path
+    return config_file("features-off", FEATURES_OFF)
 
 
 def bare_relay(sim_url: str, cpu_us: float = 0.0, read: bool = False) -> Service:
@@ -292,6 +294,15 @@ async def one_token_requests(
         prompt_tokens=prompt_tokens,
         api=api,
     )
+
+
+def child_figure(src: str, script: str, *args: str) -> float:
+    """The one number (JSON) a Python `script` prints, run in a child process with `src` as
+    its PYTHONPATH: a measurement of another checkout's code, or of this one's, alone."""
+    env = {**os.environ, "PYTHONPATH": src}
+    argv = [sys.executable, "-c", script, *args]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    return float(json.loads(done.stdout))
 
 
 def write_json(path: str, benchmark: str, args: Any, **result: Any) -> None:

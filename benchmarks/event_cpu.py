@@ -19,13 +19,9 @@ Anthropic upstream's events written as chat chunks). JSON in results/event_cpu.j
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 
-from _common import ROOT, src_dir, write_json
+from _common import ROOT, child_figure, src_dir, write_json
 
 READERS = (
     "chat",
@@ -95,10 +91,7 @@ print(json.dumps((time.process_time() - t) / n * 1e6))
 
 
 def _run(src: str, reader: str, events: int) -> float:
-    env = {**os.environ, "PYTHONPATH": src}
-    argv = [sys.executable, "-c", _CHILD, reader, str(events)]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
-    return float(json.loads(done.stdout))
+    return child_figure(src, _CHILD, reader, str(events))
 
 
 def main() -> None:

@@ -39,13 +39,9 @@ JSON in results/hostile_cost.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 
-from _common import ROOT, src_dir, write_json
+from _common import ROOT, child_figure, src_dir, write_json
 
 #: (case, n): each is also run at 2n.
 CASES = {
@@ -268,10 +264,7 @@ print(json.dumps(fn(n)))
 
 
 def _run(src: str, case: str, n: int) -> float:
-    env = {**os.environ, "PYTHONPATH": src}
-    argv = [sys.executable, "-c", _CHILD, case, str(n)]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
-    return float(json.loads(done.stdout))
+    return child_figure(src, _CHILD, case, str(n))
 
 
 def main() -> None:

@@ -51,7 +51,7 @@ from typing import Any
 from _common import (
     READING_RELAY,
     RELAY,
-    ROOT,
+    config_file,
     gateway_under,
     one_token_requests,
     write_json,
@@ -173,10 +173,8 @@ def _upstream(kind: str, sim_url: str) -> list[str]:
     if kind == "anthropic":
         return ["--upstream", "anthropic+" + sim_url]
     if kind == "openai, responses: chat":
-        path = ROOT / ".cache" / "instructions-responses-chat.yaml"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(f"upstreams:\n  - {{name: sim, url: '{sim_url}/v1', responses: chat}}\n")
-        return ["--config", str(path)]
+        config = f"upstreams:\n  - {{name: sim, url: '{sim_url}/v1', responses: chat}}\n"
+        return ["--config", str(config_file("instructions-responses-chat", config))]
     return ["--upstream", sim_url + "/v1"]
 
 
