@@ -121,11 +121,9 @@ class OpenAIDialect(Dialect):
             raise _fault("upstream sent an event that is not JSON") from None
         if raw is None and data.find(b"\n") >= 0:  # (`_one_line`, inline: it runs per event)
             data = data.replace(b"\n", b" ")
-        return self._typed(c, data, raw, strip_usage)
-
-    def _typed(self, c: _Chunk, data: bytes, raw: bytes | None, strip_usage: bool) -> Piece | None:
-        """A decoded chunk -> its piece. `raw`: the event's bytes as read, if they are
-        exactly `data: <data>\\n\\n` (saves rebuilding them)."""
+        # The decoded chunk -> its piece (here, not in a method of its own: one frame fewer
+        # a token, ~1% of its cost). `raw`: the event's bytes as read, if they are exactly
+        # `data: <data>\n\n` (saves rebuilding them).
         usage = None
         if c.usage is not ABSENT:  # present, if only as null (as in every chunk, asked for)
             usage = None if c.usage == NULL else object_of(c.usage) or None

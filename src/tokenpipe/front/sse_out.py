@@ -86,6 +86,15 @@ def emit_sse(
         return transport.get_write_buffer_size() <= low
 
     def write_now(pieces: list[Piece]) -> None:
-        send(encode(pieces), pieces[-1].end)
+        raw = pieces[0].raw if len(pieces) == 1 else None
+        if raw is not None and not pieces[0].end:
+            # One event as it came (a token of a client that keeps up): `encode`'s work
+            # inline, one frame fewer a token.
+            if n := pieces[0].count:
+                tally.observe_content(time.perf_counter())
+                tally.deltas += n
+            send(raw)
+        else:
+            send(encode(pieces), pieces[-1].end)
 
     return emit, write_now, ready

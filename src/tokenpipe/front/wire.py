@@ -215,7 +215,16 @@ class StreamResponse:
     write and goes out in one `transport.write` with it. Over HTTP/1.0 the body is not
     framed, and the connection closes at its end."""
 
-    __slots__ = ("_head", "chunked", "ended", "headers", "prepared", "request", "status")
+    __slots__ = (
+        "_head",
+        "_transport",
+        "chunked",
+        "ended",
+        "headers",
+        "prepared",
+        "request",
+        "status",
+    )
 
     def __init__(self, status: int = 200, headers: dict[str, str] | None = None) -> None:
         self.status = status
@@ -225,6 +234,7 @@ class StreamResponse:
         self.chunked = True
         self._head: bytes | None = None
         self.request: Request | None = None
+        self._transport: asyncio.Transport | None = None  # the request's, once prepared
 
     async def prepare(self, request: Request) -> None:
         self.request = request
@@ -235,6 +245,7 @@ class StreamResponse:
             self.headers["Transfer-Encoding"] = "chunked"
         request.conn.decorate(request, self.headers)
         self._head = head_bytes(self.status, self.headers, request.keep_alive)
+        self._transport = request.conn.transport
         self.prepared = True
 
     @property
@@ -248,7 +259,8 @@ class StreamResponse:
         fewer a request), and nothing may follow (RuntimeError)."""
         if self.ended:
             raise RuntimeError("the stream has ended")
-        transport = self.transport
+        transport = self._transport
+        assert transport is not None, "prepare() first"
         if transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
         if not data and not last:

@@ -105,16 +105,22 @@ class Accumulator:
                     if ok:
                         gate.consume(tokens)
             if ok:
-                assert self.write_now is not None  # can_write_now() said so
-                try:
-                    self.write_now(pieces)
-                except Exception as e:
-                    self.write_error = e
-                    raise
+                self.write_now_checked(pieces)
                 return False
         for piece in pieces:
             self.put(piece)
         return self.size > HIGH_WATERMARK
+
+    def write_now_checked(self, pieces: list[Piece]) -> None:
+        """The reader's direct write, once `can_write_now()` said it may (and the gate, if
+        any, allowed the pieces' tokens). Raises what the write raised (the client is gone),
+        kept for the writer's side too."""
+        assert self.write_now is not None  # can_write_now() said so
+        try:
+            self.write_now(pieces)
+        except Exception as e:
+            self.write_error = e
+            raise
 
     def can_write_now(self) -> bool:
         """The reader may write itself: nothing queued, the writer parked, the client ready.

@@ -18,7 +18,7 @@ from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Piece
 from tokenpipe.errors import GatewayError
 from tokenpipe.observe import metrics
-from tokenpipe.relay.buffer import Accumulator, WriteNow
+from tokenpipe.relay.buffer import DIRECT_MAX_PIECES, Accumulator, WriteNow
 from tokenpipe.relay.events import EventParser
 from tokenpipe.relay.stall import StallWatch
 from tokenpipe.upstream.h1 import UpstreamResponse
@@ -44,6 +44,7 @@ def push_taker(
     task is told (nudged, or given the error) and nothing of what follows reaches the client."""
     feed = parser.feed
     deliver = acc.deliver
+    write = acc.write_now_checked
     broken = False
 
     def take(data: bytes) -> bool:
@@ -55,9 +56,14 @@ def push_taker(
         try:
             pieces = feed(data)
             if pieces:
-                deliver(pieces)  # written, or queued (at most one read: under the watermark)
+                # Checked above, and parsing changed nothing of it: written at once (a read
+                # of many events queues: at most one read, under the watermark).
+                if len(pieces) <= DIRECT_MAX_PIECES:
+                    write(pieces)
+                else:
+                    deliver(pieces)
             after(pieces)
-            if parser.at_end():
+            if (parser.ended or parser.fault is not None) and parser.at_end():  # (raises)
                 uresp.nudge()  # the task returns: the stream is over
         except Exception as e:  # the parked task raises it as if it had read the bytes itself
             broken = True
