@@ -6,9 +6,11 @@ import math
 from datetime import UTC, datetime
 
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from tokenpipe.control.ratelimit_headers import (
     go_duration,
+    mentions_limits,
     parse,
     parse_duration,
     parse_retry_after,
@@ -190,3 +192,37 @@ def test_durations_are_remembered_within_a_bound() -> None:
     assert parse_duration(long) == 20_000.0
     assert long not in rh._DURATIONS
     assert all(len(k) <= rh._DURATION_KEY_MAX for k in rh._DURATIONS)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "x-ratelimit-remaining-requests",
+        "X-RateLimit-Limit-Tokens",
+        "anthropic-ratelimit-tokens-remaining",
+        "Anthropic-RateLimit-Input-Tokens-Limit",
+        "retry-after",
+        "Retry-After-Ms",
+    ],
+)
+def test_a_head_naming_what_parse_reads_is_parsed(name: str) -> None:
+    """The limiter parses only the heads `mentions_limits` picks: each header `parse` acts
+    on, in any case, among others, in a plain dict and in the upstream's own multidict."""
+    fields = [("content-type", "text/event-stream"), (name, "5"), ("x-request-id", "r")]
+    for headers in (dict(fields), CIMultiDictProxy(CIMultiDict(fields))):
+        assert mentions_limits(headers)
+        info = parse(headers, NOW)
+        assert info  # and parse reads it
+
+
+def test_a_head_without_limits_is_not_parsed() -> None:
+    fields = [
+        ("content-type", "text/event-stream"),
+        ("x-request-id", "ratelimit"),  # the word in a value, not a name
+        ("x-ratelimited", "1"),
+        ("date", "Mon, 07 Dec 2026 04:00:00 GMT"),
+    ]
+    for headers in ({}, dict(fields), CIMultiDictProxy(CIMultiDict(fields))):
+        assert not mentions_limits(headers)
+        info = parse(headers, NOW)
+        assert not info and not info.notes

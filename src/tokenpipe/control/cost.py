@@ -175,12 +175,12 @@ def of_request(
     if "max_output_tokens" in obj and "messages" not in obj:  # the Responses API
         param = "max_output_tokens"
     maximum = obj.get(param)
-    numeric = isinstance(maximum, _NUMBERS) and not isinstance(maximum, bool)
+    count = _count(maximum, MAX_OUTPUT_TOKENS)
     if (
-        numeric
-        and maximum is not None
+        count is None
+        and isinstance(maximum, _NUMBERS)
+        and not isinstance(maximum, bool)
         and maximum > 0
-        and _count(maximum, MAX_OUTPUT_TOKENS) is None
     ):
         raise GatewayError(
             400,
@@ -189,18 +189,13 @@ def of_request(
             code="invalid_value",
             param=param,
         )
-    count = _count(maximum, MAX_OUTPUT_TOKENS)
     max_output = count * n if count is not None else None
     messages = obj.get("messages")
     if isinstance(messages, list):
-        prompt = (
-            sum(
-                estimate_text(_content(m.get("content"))) + PER_MESSAGE
-                for m in messages
-                if isinstance(m, dict)
-            )
-            + PER_REPLY
-        )
+        prompt = PER_REPLY
+        for m in messages:  # (a loop: sum() of a generator resumes it a message)
+            if isinstance(m, dict):
+                prompt += estimate_text(_content(m.get("content"))) + PER_MESSAGE
     else:
         p = obj.get("prompt")
         if isinstance(p, str):

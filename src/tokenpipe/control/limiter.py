@@ -235,7 +235,7 @@ class Limiter:
         self._unanswered.pop(permit, None)
         info = (
             ratelimit_headers.parse(headers, self.wall())
-            if self.learn_enabled or status == 429
+            if (self.learn_enabled or status == 429) and ratelimit_headers.mentions_limits(headers)
             else None
         )
         if info is not None and info.notes:

@@ -195,10 +195,10 @@ async def cancel(task: asyncio.Task[Any]) -> None:
     came in the same step as the task's own end (the task being done then says nothing about
     whose cancellation this is; the caller's pending `cancelling()` count does)."""
     task.cancel()
-    me = asyncio.current_task()
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:
+        me = asyncio.current_task()  # (only here: the lookup costs a system call, getpid)
         if not task.done() or (me is not None and me.cancelling()):
             try:  # the caller was cancelled: let the task finish, then go
                 await asyncio.shield(task)
