@@ -9,8 +9,7 @@ import tracemalloc
 from tests.scripted_upstream import MODEL, content
 from tokenpipe.dialects import CHAT
 from tokenpipe.observe import metrics
-from tokenpipe.relay.buffer import Accumulator
-from tokenpipe.relay.events import RECORD_MAX_BYTES, RECORD_RUN, EventParser, Record
+from tokenpipe.relay.events import HELD, RECORD_MAX_BYTES, RECORD_RUN, EventParser, Record
 from tokenpipe.relay.tally import StreamTally
 
 
@@ -26,51 +25,51 @@ def _parser() -> EventParser:
 
 
 def test_a_record_past_its_bound_is_dropped_counted_and_leaves_the_buffer_gauge() -> None:
-    before = Record.total_bytes
+    before = HELD.recorded
     dropped = _sample("tokenpipe_recovery_record_dropped_total")
     parser = _parser()
     assert [p.text for p in parser.feed(content("abc"))] == ["abc"]
-    assert parser.recorded() == ("abc", 1) and Record.total_bytes == before + 3
+    assert parser.recorded() == ("abc", 1) and HELD.recorded == before + 3
     gauge = _sample("tokenpipe_stream_buffer_bytes")
-    assert gauge == Accumulator.total_bytes + Record.total_bytes  # the record counts in it
+    assert gauge == HELD.queued + HELD.recorded  # the record counts in it
     delta = "y" * 4096
     n = RECORD_MAX_BYTES // len(delta)  # with "abc", the last of these passes the bound
     passed = [p for _ in range(n - 1) for p in parser.feed(content(delta))]
     assert parser.recorded()[1] == n  # up to the bound, everything is kept
-    assert Record.total_bytes == before + 3 + (n - 1) * len(delta)
+    assert HELD.recorded == before + 3 + (n - 1) * len(delta)
     passed += parser.feed(content(delta))
     assert len(passed) == n  # the content itself still passes
     assert parser.record is None and parser.recorded() == ("", 0)
     assert _sample("tokenpipe_recovery_record_dropped_total") == dropped + 1
-    assert Record.total_bytes == before  # the dropped record's bytes left the gauge
+    assert HELD.recorded == before  # the dropped record's bytes left the gauge
     parser.close()
-    assert Record.total_bytes == before
+    assert HELD.recorded == before
 
 
 def test_a_record_leaves_the_buffer_gauge_when_its_stream_closes() -> None:
-    before = Record.total_bytes
+    before = HELD.recorded
     parser = _parser()
     for text in ("one", " two", " three"):
         parser.feed(content(text))
     assert parser.recorded() == ("one two three", 3)
-    assert Record.total_bytes == before + len("one two three")
+    assert HELD.recorded == before + len("one two three")
     parser.close()
-    assert parser.recorded() == ("", 0) and Record.total_bytes == before  # its part is back to 0
+    assert parser.recorded() == ("", 0) and HELD.recorded == before  # its part is back to 0
     parser.close()  # twice changes nothing
-    assert Record.total_bytes == before
+    assert HELD.recorded == before
 
 
 def test_empty_deltas_count_so_a_record_of_them_is_bounded_too() -> None:
     """A reasoning or tool-call delta records the text "" (a token for the continuation's
     remainder): each counts 1 against the bound, so endless ones end the record as text
     does instead of growing its list without bound."""
-    before = Record.total_bytes
+    before = HELD.recorded
     record = Record()
     assert record.add(["", "ab", ""]) and record.size == 4
     assert record.add([""] * (RECORD_MAX_BYTES - 4)) and record.deltas == RECORD_MAX_BYTES - 1
     assert not record.add([""])  # past the bound: spent
     assert record.text() == "" and record.size == record.deltas == 0
-    assert Record.total_bytes == before
+    assert HELD.recorded == before
 
 
 def test_a_record_of_tiny_deltas_holds_about_its_text() -> None:

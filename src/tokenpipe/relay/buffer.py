@@ -18,8 +18,7 @@ from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Piece
 from tokenpipe.errors import GatewayError
-from tokenpipe.observe import metrics
-from tokenpipe.relay.events import Record
+from tokenpipe.relay.events import HELD
 
 #: Bytes of queued content at which the reader stops reading the upstream.
 HIGH_WATERMARK = 64 * 1024
@@ -41,9 +40,6 @@ class Accumulator:
     transport is empty and the gate allows, the reader writes the pieces itself (`deliver`),
     saving a task switch per event; otherwise they queue here for the writer.
     """
-
-    #: Bytes queued in all accumulators of this process (the tokenpipe_stream_buffer_bytes gauge).
-    total_bytes = 0
 
     __slots__ = (
         "_data",
@@ -148,18 +144,18 @@ class Accumulator:
                 # it; the events before it are still sent, then the reader's error event.
                 pending.pop()
                 self.size -= last.size
-                Accumulator.total_bytes -= last.size
+                HELD.queued -= last.size
                 raise
             if joined:
                 grow = sum(map(len, piece.parts or ())) + 8 * piece.count
                 last.size += grow
                 self.size += grow
-                Accumulator.total_bytes += grow
+                HELD.queued += grow
                 self.merged += 1
                 return
         pending.append(piece)
         self.size += piece.size
-        Accumulator.total_bytes += piece.size
+        HELD.queued += piece.size
         _wake(self._data)
         if self.wake is not None:
             self.wake()
@@ -219,7 +215,7 @@ class Accumulator:
             tokens += n
         if freed:
             self.size -= freed
-            Accumulator.total_bytes -= freed
+            HELD.queued -= freed
             if self.size <= LOW_WATERMARK:
                 _wake(self._drained)
         return out, tokens
@@ -228,7 +224,7 @@ class Accumulator:
         """The stream is over: forget what is queued (it ended early; the global gauge kept
         right) and its errors, whose tracebacks hold frames that hold this accumulator (a
         cycle for the garbage collector with the whole request, test_request_garbage.py)."""
-        Accumulator.total_bytes -= self.size
+        HELD.queued -= self.size
         self.size = 0
         self.pending.clear()
         self.error = self.write_error = None
@@ -237,6 +233,3 @@ class Accumulator:
 def _wake(waiter: asyncio.Future[None] | None) -> None:
     if waiter is not None and not waiter.done():
         waiter.set_result(None)
-
-
-metrics.STREAM_BUFFER_BYTES.set_function(lambda: Accumulator.total_bytes + Record.total_bytes)
