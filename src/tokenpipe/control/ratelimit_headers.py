@@ -187,11 +187,12 @@ def _bounded(
 
 
 def mentions_limits(headers: Mapping[str, str]) -> bool:
-    """The head names a header `parse` reads. Most answers name none, and this asks it in
-    four C calls (~1,500 machine instructions for ten headers) where `parse` runs a test a
-    header in Python and builds its answer (~10,000: benchmarks/request_instructions.py)."""
+    """The head names a header `parse` reads. Most answers name none, and this asks it in C
+    calls alone: 0.4 us for eight headers, where `parse` runs a test a header in Python and
+    builds its empty answer, 1.5 us (timeit). (`in` between str: only bytes' `in` raises and
+    clears an exception first, sse.py.)"""
     names = "\n".join(headers).lower()
-    return names.find("ratelimit-") >= 0 or names.find("retry-after") >= 0
+    return "ratelimit-" in names or "retry-after" in names
 
 
 def parse(headers: Mapping[str, str], now_wall: float) -> RateLimits:
