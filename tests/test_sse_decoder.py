@@ -108,3 +108,43 @@ def test_a_long_event_s_end_is_found_at_every_read_edge(name: str) -> None:
     for _ in range(100):
         cuts = [rng.randrange(len(data) + 1) for _ in range(rng.randrange(1, 40))]
         assert _events(_split(data, cuts)) == whole, cuts
+
+
+#: Events a read may hold, each as its bytes: the one-line `data:` events `feed_many` takes,
+#: and those it must leave to `feed` (another field, a comment, a second line, `data: `
+#: alone, no space after the colon, CR line ends, a separator inside a data line's text).
+_PLAIN = [b'data: {"a":1}\n\n', b"data: [DONE]\n\n", b"data:  two spaces\n\n", b"data: x\n\n"]
+_OTHER = [
+    b"event: e\ndata: {}\n\n",
+    b": ping\n\n",
+    b"data: a\ndata: b\n\n",
+    b"data: \n\n",
+    b"data:nospace\n\n",
+    b"data: cr\r\n\r\n",
+    b"data: a\r\rdata: b\n\n",
+    b"id: 7\n\n",
+]
+
+
+def test_a_read_of_whole_data_events_is_split_as_feed_splits_it() -> None:
+    """`feed_many` gives exactly what `feed` gives for a read of one-line data events, and
+    declines (None) every read holding anything else, wherever that is: the fast path never
+    changes what a stream means."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        n = rng.randint(1, 5)
+        events = [rng.choice(_PLAIN if rng.random() < 0.8 else _OTHER) for _ in range(n)]
+        read = b"".join(events)
+        many = sse.SSEDecoder().feed_many(read)
+        if all(e in _PLAIN for e in events):
+            assert many == [e.data for e in sse.SSEDecoder().feed(read)], read
+        else:
+            assert many is None, read
+
+
+def test_a_read_after_held_bytes_or_unterminated_is_left_to_feed() -> None:
+    d = sse.SSEDecoder()
+    assert d.feed(b"data: par") == []
+    assert d.feed_many(b'data: {"a":1}\n\n') is None  # held bytes come first
+    assert sse.SSEDecoder().feed_many(b"data: a\n\ndata: b\n") is None  # the last not ended
+    assert sse.SSEDecoder().feed_many(b"data: a\n\ndata: b") is None

@@ -88,6 +88,26 @@ class SSEDecoder:
             return None
         return chunk[6:-2]
 
+    def feed_many(self, chunk: bytes) -> list[bytes] | None:
+        """The data of each event of `chunk` if it holds nothing but whole one-line `data:`
+        events (`data: ` then at least a byte) with nothing buffered before it, else None:
+        use `feed`. What a server sends when a read catches up with several events (a
+        request's last ones come together: content, finish, usage, `[DONE]`). Split by C
+        calls over the whole read, not event by event: 4 events of ~200 bytes cost ~12,000
+        machine instructions here, ~27,000 in `feed` (benchmarks/request_instructions.py).
+
+        Every LF of such a read is one of a separator's two or one of the last event's two,
+        so counting them proves no event has a second line or another field; a CR (a line
+        end too) sends the read to `feed`."""
+        if self._held or chunk[:6] != b"data: " or chunk[-2:] != b"\n\n":
+            return None
+        if chunk.find(b"\r") >= 0:
+            return None
+        datas = chunk[6:-2].split(b"\n\ndata: ")
+        if chunk.count(b"\n") != 2 * len(datas) or b"" in datas:
+            return None
+        return datas
+
     def feed(self, chunk: bytes) -> list[Event]:
         if self.fault is not None:
             raise self.fault

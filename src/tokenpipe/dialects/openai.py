@@ -134,6 +134,8 @@ class OpenAIDialect(Dialect):
                 # saves a re-serialisation.
                 if raw is not None and len(cut := raw.replace(_NULL_USAGE, b"", 1)) != len(raw):
                     raw, data = cut, cut[6:-2]
+                elif raw is None and len(cut := data.replace(_NULL_USAGE, b"", 1)) != len(data):
+                    data = cut  # (as `_without_usage` would first: one call fewer an event)
                 else:
                     stripped = _without_usage(data)
                     if stripped is None:

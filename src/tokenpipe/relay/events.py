@@ -163,32 +163,43 @@ class EventParser:
                 return []
             return [piece]
         out: list[Piece] = []
+        # Several whole `data:` events (a read that caught up): split at once.
+        datas = self.decoder.feed_many(chunk)
+        if datas is not None:
+            for data in datas:
+                if not self._read(data, None, out):
+                    break
+            return out
         for data, comment, event in self.decoder.feed(chunk):
             if comment:  # each line of a multi-line comment stays a comment line
                 out.append(Piece(b": " + data.replace(b"\n", b"\n: ") + b"\n\n"))
-                continue
-            try:
-                piece = self.read(data, event, None, self.strip_usage)
-            except sse.SSEProtocolError as e:
-                self.fault = e
-                return out
-            except sse.SHAPE_ERRORS as e:
-                self.fault = sse.shape_error(e)
-                return out
-            if piece is None:
-                pass
-            elif (
-                piece.usage is None
-                and not piece.finish_reason
-                and not piece.end
-                and self.record is None
-            ) or self._took(piece):
-                out.append(piece)
-            if self.ended:
+            elif not self._read(data, event, out):
                 return out
         if self.decoder.fault is not None:
             self.fault = self.decoder.fault
         return out
+
+    def _read(self, data: bytes, event: str | None, out: list[Piece]) -> bool:
+        """One event of a read of several: its piece, if any, onto `out`. False: the stream
+        stops here (a terminal event, or a fault: `feed` says what follows)."""
+        try:
+            piece = self.read(data, event, None, self.strip_usage)
+        except sse.SSEProtocolError as e:
+            self.fault = e
+            return False
+        except sse.SHAPE_ERRORS as e:
+            self.fault = sse.shape_error(e)
+            return False
+        if piece is None:
+            pass
+        elif (
+            piece.usage is None
+            and not piece.finish_reason
+            and not piece.end
+            and self.record is None
+        ) or self._took(piece):
+            out.append(piece)
+        return not self.ended
 
     def _took(self, piece: Piece) -> bool:
         """Books what the piece says; False: it is not passed on."""
