@@ -133,7 +133,7 @@ class OpenAIDialect(Dialect):
                 # `"usage":null` is there only because we asked for usage. Cutting its bytes
                 # saves a re-serialisation.
                 if raw is not None and len(cut := raw.replace(_NULL_USAGE, b"", 1)) != len(raw):
-                    raw, data = cut, cut[6:-2]
+                    raw = cut  # (`data` is not read again once `raw` is known)
                 elif raw is None and len(cut := data.replace(_NULL_USAGE, b"", 1)) != len(data):
                     data = cut  # (as `_without_usage` would first: one call fewer an event)
                 else:
