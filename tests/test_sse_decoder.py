@@ -148,3 +148,41 @@ def test_a_read_after_held_bytes_or_unterminated_is_left_to_feed() -> None:
     assert d.feed_many(b'data: {"a":1}\n\n') is None  # held bytes come first
     assert sse.SSEDecoder().feed_many(b"data: a\n\ndata: b\n") is None  # the last not ended
     assert sse.SSEDecoder().feed_many(b"data: a\n\ndata: b") is None
+
+
+_NAMED = [
+    b'event: response.output_text.delta\ndata: {"delta":"x"}\n\n',
+    b"event: ping\ndata: {}\n\n",
+    b"event: \ndata: [x]\n\n",  # an empty name, as `feed` reads it
+    b"event:  spaced\ndata:  two\n\n",
+]
+_NOT_NAMED = [
+    b"event: a\ndata: {}\nid: 1\n\n",
+    b"event: a\nid: 1\ndata: {}\n\n",
+    b"data: {}\nevent: a\n\n",
+    b"event: a\ndata: \n\n",
+    b"event: a\n\n",
+    b"event: a\ndata:x\n\n",
+    b"event: a\r\ndata: {}\r\n\r\n",
+    b"event: a\ndata: 1\ndata: 2\n\n",
+    b": ping\n\n",
+    b'data: {"a":1}\n\n',
+]
+
+
+def test_a_read_of_whole_named_events_is_split_as_feed_splits_it() -> None:
+    """`feed_named` gives exactly `feed`'s events for a read of `event:` + `data:` pairs, and
+    declines every read with anything else in it, wherever that is."""
+    rng = random.Random(11)
+    for _ in range(3000):
+        n = rng.randint(1, 5)
+        events = [rng.choice(_NAMED if rng.random() < 0.8 else _NOT_NAMED) for _ in range(n)]
+        read = b"".join(events)
+        named = sse.SSEDecoder().feed_named(read)
+        if all(e in _NAMED for e in events):
+            assert named == sse.SSEDecoder().feed(read), read
+        else:
+            assert named is None, read
+    d = sse.SSEDecoder()
+    assert d.feed(b"event: a\ndata: par") == []
+    assert d.feed_named(b"event: b\ndata: {}\n\n") is None  # held bytes come first

@@ -108,6 +108,28 @@ class SSEDecoder:
             return None
         return datas
 
+    def feed_named(self, chunk: bytes) -> list[Event] | None:
+        """The events of `chunk` if it holds nothing but whole two-line events, `event: `
+        then `data: ` (the Responses and Messages APIs send nothing else), with nothing
+        buffered before it, else None: use `feed`. As `feed_many`, split over the whole
+        read: 4 Responses events of ~200 bytes cost ~68,000 machine instructions in `feed`
+        (its field-by-field parse, written for any shape of event). Three LFs an event
+        (the one between its lines, the two that end it) prove it has no other line."""
+        if self._held or chunk[:7] != b"event: " or chunk[-2:] != b"\n\n":
+            return None
+        if chunk.find(b"\r") >= 0:
+            return None
+        blocks = chunk[7:-2].split(b"\n\nevent: ")
+        if chunk.count(b"\n") != 3 * len(blocks):
+            return None
+        events: list[Event] = []
+        for block in blocks:
+            name, _, data = block.partition(b"\ndata: ")
+            if not data:
+                return None  # (`data: ` alone, or a line of another field)
+            events.append(_new_event(Event, (data, False, name.decode("utf-8", "replace"))))
+        return events
+
     def feed(self, chunk: bytes) -> list[Event]:
         if self.fault is not None:
             raise self.fault

@@ -170,6 +170,12 @@ class EventParser:
                 if not self._read(data, None, out):
                     break
             return out
+        events = self.decoder.feed_named(chunk)  # (`event:` and `data:` lines: the same)
+        if events is not None:
+            for data, _, event in events:
+                if not self._read(data, event, out):
+                    break
+            return out
         for data, comment, event in self.decoder.feed(chunk):
             if comment:  # each line of a multi-line comment stays a comment line
                 out.append(Piece(b": " + data.replace(b"\n", b"\n: ") + b"\n\n"))
