@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 
@@ -126,30 +127,6 @@ _OTHER = [
 ]
 
 
-def test_a_read_of_whole_data_events_is_split_as_feed_splits_it() -> None:
-    """`feed_many` gives exactly what `feed` gives for a read of one-line data events, and
-    declines (None) every read holding anything else, wherever that is: the fast path never
-    changes what a stream means."""
-    rng = random.Random(7)
-    for _ in range(3000):
-        n = rng.randint(1, 5)
-        events = [rng.choice(_PLAIN if rng.random() < 0.8 else _OTHER) for _ in range(n)]
-        read = b"".join(events)
-        many = sse.SSEDecoder().feed_many(read)
-        if all(e in _PLAIN for e in events):
-            assert many == [e.data for e in sse.SSEDecoder().feed(read)], read
-        else:
-            assert many is None, read
-
-
-def test_a_read_after_held_bytes_or_unterminated_is_left_to_feed() -> None:
-    d = sse.SSEDecoder()
-    assert d.feed(b"data: par") == []
-    assert d.feed_many(b'data: {"a":1}\n\n') is None  # held bytes come first
-    assert sse.SSEDecoder().feed_many(b"data: a\n\ndata: b\n") is None  # the last not ended
-    assert sse.SSEDecoder().feed_many(b"data: a\n\ndata: b") is None
-
-
 _NAMED = [
     b'event: response.output_text.delta\ndata: {"delta":"x"}\n\n',
     b"event: ping\ndata: {}\n\n",
@@ -170,19 +147,38 @@ _NOT_NAMED = [
 ]
 
 
-def test_a_read_of_whole_named_events_is_split_as_feed_splits_it() -> None:
-    """`feed_named` gives exactly `feed`'s events for a read of `event:` + `data:` pairs, and
-    declines every read with anything else in it, wherever that is."""
-    rng = random.Random(11)
+def _datas(events: list[sse.Event]) -> list[bytes]:
+    return [e.data for e in events]
+
+
+def _same(events: list[sse.Event]) -> list[sse.Event]:
+    return events
+
+
+@pytest.mark.parametrize(
+    ("fast", "taken", "left", "as_feed"),
+    [("feed_many", _PLAIN, _OTHER, _datas), ("feed_named", _NAMED, _NOT_NAMED, _same)],
+)
+def test_a_read_split_at_once_is_what_feed_gives_or_is_left_to_it(
+    fast: str, taken: list[bytes], left: list[bytes], as_feed: Any
+) -> None:
+    """`feed_many` (one-line data events) and `feed_named` (`event:` + `data:` pairs) give
+    exactly what `feed` gives for a read of the events each takes, and decline (None) every
+    read holding anything else, wherever that is: the fast paths never change what a stream
+    means. Nor do they take a read when bytes are held or its last event is not ended."""
+    rng = random.Random(7)
     for _ in range(3000):
-        n = rng.randint(1, 5)
-        events = [rng.choice(_NAMED if rng.random() < 0.8 else _NOT_NAMED) for _ in range(n)]
+        events = [
+            rng.choice(taken if rng.random() < 0.8 else left) for _ in range(rng.randint(1, 5))
+        ]
         read = b"".join(events)
-        named = sse.SSEDecoder().feed_named(read)
-        if all(e in _NAMED for e in events):
-            assert named == sse.SSEDecoder().feed(read), read
+        split = getattr(sse.SSEDecoder(), fast)(read)
+        if all(e in taken for e in events):
+            assert split == as_feed(sse.SSEDecoder().feed(read)), read
         else:
-            assert named is None, read
+            assert split is None, read
     d = sse.SSEDecoder()
-    assert d.feed(b"event: a\ndata: par") == []
-    assert d.feed_named(b"event: b\ndata: {}\n\n") is None  # held bytes come first
+    assert d.feed(taken[0][:9]) == []
+    assert getattr(d, fast)(taken[1]) is None  # held bytes come first
+    for cut in (taken[0][:-1], taken[0][:-2]):
+        assert getattr(sse.SSEDecoder(), fast)(taken[1] + cut) is None  # the last not ended
