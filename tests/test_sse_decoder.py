@@ -182,3 +182,7 @@ def test_a_read_split_at_once_is_what_feed_gives_or_is_left_to_it(
     assert getattr(d, fast)(taken[1]) is None  # held bytes come first
     for cut in (taken[0][:-1], taken[0][:-2]):
         assert getattr(sse.SSEDecoder(), fast)(taken[1] + cut) is None  # the last not ended
+    faulted = sse.SSEDecoder(max_event_bytes=8)
+    faulted.feed(b"data: more than eight bytes")
+    assert faulted.fault is not None  # then every read is left to `feed`, which raises it
+    assert getattr(faulted, fast)(taken[0]) is None and faulted.feed_one(_PLAIN[0]) is None

@@ -81,8 +81,11 @@ class SSEDecoder:
     def feed_one(self, chunk: bytes) -> bytes | None:
         """The data of `chunk` if it is exactly one whole one-line `data:` event with nothing
         buffered before it (what a streaming LLM server sends per read), else None: use
-        `feed`. A quarter of `feed`'s cost for the common case."""
-        if self._held or chunk.find(b"\n") != len(chunk) - 2 or chunk[-1:] != b"\n":
+        `feed`. A quarter of `feed`'s cost for the common case. After a fault, None (and
+        `feed` raises it), as from `feed_many` and `feed_named`."""
+        if self._held or self.fault is not None:
+            return None
+        if chunk.find(b"\n") != len(chunk) - 2 or chunk[-1:] != b"\n":
             return None
         if chunk[:6] != b"data: ":
             return None
@@ -93,13 +96,15 @@ class SSEDecoder:
         events (`data: ` then at least a byte) with nothing buffered before it, else None:
         use `feed`. What a server sends when a read catches up with several events (a
         request's last ones come together: content, finish, usage, `[DONE]`). Split by C
-        calls over the whole read, not event by event: 4 events of ~200 bytes cost ~12,000
-        machine instructions here, ~27,000 in `feed` (benchmarks/request_instructions.py).
+        calls over the whole read, not event by event: 4 events of ~200 bytes cost ~13,500
+        machine instructions here, ~27,000 in `feed` (callgrind).
 
         Every LF of such a read is one of a separator's two or one of the last event's two,
         so counting them proves no event has a second line or another field; a CR (a line
         end too) sends the read to `feed`."""
-        if self._held or chunk[:6] != b"data: " or chunk[-2:] != b"\n\n":
+        if self._held or self.fault is not None:
+            return None
+        if chunk[:6] != b"data: " or chunk[-2:] != b"\n\n":
             return None
         if chunk.find(b"\r") >= 0:
             return None
@@ -115,7 +120,9 @@ class SSEDecoder:
         read: 4 Responses events of ~200 bytes cost ~68,000 machine instructions in `feed`
         (its field-by-field parse, written for any shape of event). Three LFs an event
         (the one between its lines, the two that end it) prove it has no other line."""
-        if self._held or chunk[:7] != b"event: " or chunk[-2:] != b"\n\n":
+        if self._held or self.fault is not None:
+            return None
+        if chunk[:7] != b"event: " or chunk[-2:] != b"\n\n":
             return None
         if chunk.find(b"\r") >= 0:
             return None
