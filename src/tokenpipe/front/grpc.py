@@ -292,8 +292,7 @@ class _Session:
                 for piece in pieces:
                     if piece.count:
                         now = now or time.perf_counter()
-                        call.tally.observe_content(now)
-                        call.tally.deltas += piece.count
+                        call.tally.observe_content(now, piece.count)
                         await self.send(
                             chat_pb2.ServerMessage(
                                 request_id=rid,

@@ -55,8 +55,7 @@ def emit_sse(
         if len(pieces) == 1:
             piece = pieces[0]
             if piece.count:
-                tally.observe_content(time.perf_counter())
-                tally.deltas += piece.count
+                tally.observe_content(time.perf_counter(), piece.count)
             # (`raw` read here: the common case costs no `event()` call)
             raw = piece.raw if piece.raw is not None else piece.event()
             if piece.end and end is not None:
@@ -67,8 +66,7 @@ def emit_sse(
         for piece in pieces:
             if piece.count:
                 now = now or time.perf_counter()
-                tally.observe_content(now)
-                tally.deltas += piece.count
+                tally.observe_content(now, piece.count)
             if piece.end and end is not None:
                 out.append(end())
             out.append(piece.raw if piece.raw is not None else piece.event())
@@ -91,8 +89,7 @@ def emit_sse(
             # One event as it came (a token of a client that keeps up): `encode`'s work
             # inline, one frame fewer a token.
             if n := pieces[0].count:
-                tally.observe_content(time.perf_counter())
-                tally.deltas += n
+                tally.observe_content(time.perf_counter(), n)
             send(raw)
         else:
             send(encode(pieces), pieces[-1].end)

@@ -52,7 +52,9 @@ class StreamTally:
         self.ttft: float | None = None
         self.itl = self.series.itl
 
-    def observe_content(self, now: float) -> None:
+    def observe_content(self, now: float, deltas: int) -> None:
+        """A content event sent to the client at `now`, carrying `deltas` upstream deltas."""
+        self.deltas += deltas
         if self.first_token_at is None:
             self.first_token_at = now
             self.ttft = now - self.started_at
