@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import random
 import tracemalloc
 from collections.abc import Callable
 
 import pytest
+from ddsketch import LogCollapsingLowestDenseDDSketch
+from ddsketch.store import CollapsingLowestDenseStore as Store
 
 from tokenpipe.clock import ManualClock
 from tokenpipe.control.breaker import CircuitBreaker, State
 from tokenpipe.control.budget import RatioBudget, backoff
 from tokenpipe.control.deadline import AdaptiveDeadline
-from tokenpipe.control.quantiles import RollingQuantiles
+from tokenpipe.control.quantiles import ACCURACY, BINS, MAPPING, RollingQuantiles
 from tokenpipe.dialects import CHAT, COMPLETIONS
 from tokenpipe.router.policy import prompt_class
 
@@ -30,6 +33,47 @@ def test_rolling_quantiles_are_within_one_percent_of_the_exact_ones() -> None:
         want = exact[int(q * (len(exact) - 1))]
         got = est.quantile(q)
         assert got is not None and abs(got - want) / want < 0.02, (q, got, want)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rolling_quantiles_are_ddsketchs_own_over_the_window(seed: int) -> None:
+    """The view's running totals give the quantile a DDSketch of the window's values gives
+    (the same key, so the same value), as the window slides, slices close and expire."""
+    clock = ManualClock()
+    est = RollingQuantiles(60.0, slices=6, clock=clock)
+    rng = random.Random(seed)
+    added: list[tuple[int, float]] = []  # (slice number, value)
+    for _ in range(rng.randint(1, 40)):
+        clock.advance(rng.choice((0.01, 0.3, 4.0, 11.0, 25.0)))
+        for _ in range(rng.randint(0, 60)):
+            # within the bins' range (5 ms to 5 s): no store collapses, nor the merged one
+            v = math.exp(rng.uniform(math.log(0.005), math.log(5.0)))
+            est.add(v)
+            added.append((int(clock.now() // 10.0), v))
+        clock.advance(0.3)  # past the view's refresh
+        now = int(clock.now() // 10.0)
+        sketch = LogCollapsingLowestDenseDDSketch(ACCURACY, BINS)
+        for n, v in added:
+            if n > now - 6:
+                sketch.add(v)
+        assert est.count == sketch.count
+        for q in (0.0, 0.25, 0.5, 0.9, 0.95, 0.99, 1.0):
+            assert est.quantile(q) == sketch.get_quantile_value(q), (q, seed)
+
+
+def test_a_value_is_keyed_as_ddsketchs_mapping_keys_it() -> None:
+    """`add` computes the key inline; it must be the mapping's own, value by value."""
+    est = RollingQuantiles(clock=ManualClock())
+    rng = random.Random(3)
+    values = [math.exp(rng.uniform(math.log(1e-6), math.log(1e4))) for _ in range(20_000)]
+    values += [0.0, -1.0, 1e-9, 1e-6, 1.0, 2.0, 0.5]  # at and below the floor (1 us)
+    for v in values:
+        store = Store(BINS)
+        store.add(MAPPING.key(max(v, 1e-6)))
+        est._slices.clear()
+        est.add(v)
+        kept = est._slices[0][1]
+        assert (kept.min_key, kept.bins) == (store.min_key, store.bins), v
 
 
 def test_rolling_quantiles_forget_values_older_than_the_window() -> None:
