@@ -330,6 +330,42 @@ def test_the_deadline_gauge_shows_each_new_hedge_delay() -> None:
     assert tail.hedge_delay("gauged", "gauged-model", 0) == shown() == learned
 
 
+def test_the_deadline_gauges_are_set_as_a_refresh_draws_them() -> None:
+    """The TTFT and stall deadlines' gauges show each value when a view's refresh draws it:
+    with the refresh deferred (the gateway's), once it ran, before any read asks again."""
+    from tokenpipe.observe import metrics
+    from tokenpipe.router import Router
+    from tokenpipe.router.policy import Policy
+    from tokenpipe.settings import TailSettings
+
+    metrics.allow_model("drawn-model")
+
+    def shown(kind: str) -> float | None:
+        labels = {"kind": kind, "upstream": "drawn", "model": "drawn-model"}
+        return metrics.REGISTRY.get_sample_value("tokenpipe_deadline_seconds", labels)
+
+    clock = ManualClock()
+    later: list[Callable[[], None]] = []
+    tail = Policy(TailSettings(), Router([]), clock, defer=later.append)
+    ttft, stall = (
+        tail.ttft_deadline("drawn", "drawn-model", 0),
+        tail.stall_deadline("drawn", "drawn-model"),
+    )
+    assert (shown("ttft"), shown("stall")) == (ttft, stall)  # the initial values
+    for _ in range(100):
+        tail.ttft_estimate("drawn", "drawn-model", 0).add(2.0)
+        tail.gap_estimate("drawn", "drawn-model").add(3.0)
+    clock.advance(1)
+    assert tail.ttft_deadline("drawn", "drawn-model", 0) == ttft  # stale: the last value
+    assert tail.stall_deadline("drawn", "drawn-model") == stall
+    assert (shown("ttft"), shown("stall")) == (ttft, stall)
+    while later:
+        later.pop()()  # the deferred refreshes draw the new values
+    assert shown("ttft") == pytest.approx(3.0, rel=0.02)  # 1.5 x p99 of 2 s
+    assert shown("stall") == pytest.approx(tail.stall_deadline("drawn", "drawn-model"))
+    assert shown("stall") != stall
+
+
 def test_a_deadline_read_again_follows_each_refresh_of_its_estimate() -> None:
     """The policy keeps a deadline while its estimate's merged view is the same (it is read
     three times a request); a refreshed view, with new values in it, gives a new deadline."""

@@ -84,6 +84,7 @@ class RollingQuantiles:
         "_slices_max",
         "_view_at",
         "_width",
+        "key",
         "refresh",
     )
 
@@ -94,7 +95,10 @@ class RollingQuantiles:
         clock: Clock = MONOTONIC,
         refresh: float = 0.25,
         defer: Callable[[Callable[[], None]], Any] | None = None,
+        key: Any = None,
     ) -> None:
+        #: What it estimates, as its owner names it (the router policy's table key).
+        self.key = key
         self._clock = clock
         self._width = window / slices  # seconds per slice
         # (slice number, store) oldest first; bounded: at most `slices` entries.

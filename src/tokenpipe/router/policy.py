@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
@@ -40,6 +39,11 @@ def _rule(d: DeadlineSettings, min_samples: int) -> AdaptiveDeadline:
         initial=d.initial_seconds,
         min_samples=min_samples,
     )
+
+
+def _show_deadline(kind: str, key: Any, value: float) -> None:
+    """The deadline gauge of `kind` for an estimate's (upstream, model, ...) `key`."""
+    metrics.child(metrics.DEADLINE, kind, key[0], key[1]).set(value)
 
 
 def prompt_class(tokens: int) -> int:
@@ -82,8 +86,12 @@ class Policy:
         self._gap: dict[tuple[str, str], RollingQuantiles] = {}
         # (upstream, model, prompt class) -> first tokens that never came (only counted).
         self._censored: dict[tuple[str, str, int], RollingQuantiles] = {}
-        # (kind, upstream, model) -> the deadline gauge's value as last set.
-        self._deadlines_shown: dict[tuple[str, str, str], float] = {}
+        # How each value is drawn from an estimate's view, its gauge set as it is: once a
+        # refresh (0.25 s), not on each of a request's three reads (bound once: a method
+        # read off the instance is a new object each time).
+        self._draw_ttft = self._drawn_ttft
+        self._draw_stall = self._drawn_stall
+        self._draw_hedge = self._drawn_hedge
         # Dialect class -> some upstream continues its cut streams (upstreams are fixed by
         # config). Bound: the dialect classes.
         self._continues: dict[type[Dialect], bool] = {}
@@ -96,7 +104,7 @@ class Policy:
             if len(table) >= MAX_ESTIMATORS:
                 del table[next(iter(table))]
             est = table[key] = RollingQuantiles(
-                self.settings.window_seconds, clock=self.clock, defer=self._defer
+                self.settings.window_seconds, clock=self.clock, defer=self._defer, key=key
             )
         return est
 
@@ -110,24 +118,22 @@ class Policy:
 
     # The three below run per request: each reads its estimate's memo directly (one call,
     # `derived`), not through `ttft_estimate` and `AdaptiveDeadline.value` (three more).
+    # A value is drawn (`_drawn_*`) when the estimate's view is refreshed, and the deadline
+    # gauge is set then: it changes only then.
 
     def ttft_deadline(self, upstream: str, model: str, cls: int) -> float | None:
         if not self.settings.deadlines:
             return None
         key = (upstream, model, cls)
         est = self._ttft.get(key) or self._est(self._ttft, key)
-        value = est.derived(self.ttft_rule, self.ttft_rule.of)
-        self._show_deadline("ttft", upstream, model, value)
-        return value
+        return est.derived(self.ttft_rule, self._draw_ttft)
 
     def stall_deadline(self, upstream: str, model: str) -> float | None:
         if not self.settings.deadlines:
             return None
         key = (upstream, model)
         est = self._gap.get(key) or self._est(self._gap, key)
-        value = est.derived(self.stall_rule, self.stall_rule.of)
-        self._show_deadline("stall", upstream, model, value)
-        return value
+        return est.derived(self.stall_rule, self._draw_stall)
 
     def censored(self, upstream: str, model: str, cls: int) -> None:
         """A first token that never came (the attempt lost to a hedge or hit the deadline):
@@ -140,11 +146,19 @@ class Policy:
         is refreshed (0.25 s), as the deadlines are; the censored count is read then."""
         key = (upstream, model, cls)
         est = self._ttft.get(key) or self._est(self._ttft, key)
-        value = est.derived(_HEDGE, partial(self._hedge_of, key))
-        self._show_deadline("hedge_delay", upstream, model, value)
+        return est.derived(_HEDGE, self._draw_hedge)
+
+    def _drawn_ttft(self, est: RollingQuantiles) -> float:
+        value = self.ttft_rule.of(est)
+        _show_deadline("ttft", est.key, value)
         return value
 
-    def _hedge_of(self, key: tuple[str, str, int], est: RollingQuantiles) -> float:
+    def _drawn_stall(self, est: RollingQuantiles) -> float:
+        value = self.stall_rule.of(est)
+        _show_deadline("stall", est.key, value)
+        return value
+
+    def _drawn_hedge(self, est: RollingQuantiles) -> float:
         """Stalls cut short have no TTFT, only a lower bound, so they count as above every
         TTFT seen: with c censored among n requests the q-quantile of all is the
         q x n / (n - c) quantile of the completed ones. Leaving them out would put the delay
@@ -154,21 +168,11 @@ class Policy:
         q = None
         n = est.count
         if n >= self.settings.min_samples:
-            cut = self._est(self._censored, key).count
+            cut = self._est(self._censored, est.key).count
             q = est.quantile(min(1.0, h.quantile * (n + cut) / n))
-        return h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)
-
-    def _show_deadline(self, kind: str, upstream: str, model: str, value: float) -> None:
-        """The deadline gauge, set when the value changed (it changes at most once per
-        estimate refresh, 0.25 s; it is read up to three times per request). Bound: as the
-        estimators, 3 x MAX_ESTIMATORS keys (cleared past it, then set again as used)."""
-        key = (kind, upstream, model)
-        shown = self._deadlines_shown
-        if shown.get(key) != value:
-            if len(shown) >= 3 * MAX_ESTIMATORS:
-                shown.clear()
-            shown[key] = value
-            metrics.child(metrics.DEADLINE, kind, upstream, model).set(value)
+        value = h.initial_delay_seconds if q is None else max(h.min_delay_seconds, q)
+        _show_deadline("hedge_delay", est.key, value)
+        return value
 
     def continues(self, dialect: Dialect) -> bool:
         """Some upstream continues a cut stream of `dialect`'s API (`continues_on`)."""
