@@ -223,7 +223,8 @@ def test_backoff_is_jittered_exponential_and_capped() -> None:
 
 def test_circuit_opens_after_failures_in_a_row_and_a_probe_closes_it() -> None:
     clock = ManualClock()
-    b = CircuitBreaker(failures=3, cooldown=10, clock=clock)
+    changes: list[State] = []  # each change of state, once (the state gauge is set then)
+    b = CircuitBreaker(failures=3, cooldown=10, clock=clock, changed=changes.append)
     b.failure()
     b.failure()
     b.success()  # not in a row
@@ -240,11 +241,14 @@ def test_circuit_opens_after_failures_in_a_row_and_a_probe_closes_it() -> None:
     assert not b.allow()  # one probe at a time
     b.success()
     assert b.state is State.CLOSED and b.allow()
+    b.success()
+    assert changes == [State.OPEN, State.HALF_OPEN, State.CLOSED]
 
 
 def test_a_failed_probe_opens_the_circuit_for_another_cooldown() -> None:
     clock = ManualClock()
-    b = CircuitBreaker(failures=1, cooldown=5, clock=clock)
+    changes: list[State] = []
+    b = CircuitBreaker(failures=1, cooldown=5, clock=clock, changed=changes.append)
     b.failure()
     clock.advance(5)
     assert b.allow()
@@ -252,6 +256,7 @@ def test_a_failed_probe_opens_the_circuit_for_another_cooldown() -> None:
     assert b.state is State.OPEN and not b.allow()
     clock.advance(5)
     assert b.allow()
+    assert changes == [State.OPEN, State.HALF_OPEN, State.OPEN, State.HALF_OPEN]
 
 
 def test_a_probe_that_never_reports_is_forgotten_after_a_cooldown() -> None:

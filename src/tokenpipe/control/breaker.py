@@ -4,6 +4,7 @@ closes the circuit, its failure opens it for another cooldown."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
 
 from tokenpipe.clock import MONOTONIC, Clock
@@ -22,12 +23,30 @@ CLOSED, HALF_OPEN, OPEN = State.CLOSED, State.HALF_OPEN, State.OPEN
 
 
 class CircuitBreaker:
-    __slots__ = ("_clock", "_probe_at", "cooldown", "failures", "opened_at", "row", "state")
+    __slots__ = (
+        "_changed",
+        "_clock",
+        "_probe_at",
+        "cooldown",
+        "failures",
+        "opened_at",
+        "row",
+        "state",
+    )
 
-    def __init__(self, failures: int = 5, cooldown: float = 10.0, clock: Clock = MONOTONIC):
+    def __init__(
+        self,
+        failures: int = 5,
+        cooldown: float = 10.0,
+        clock: Clock = MONOTONIC,
+        changed: Callable[[State], None] | None = None,
+    ):
+        """`changed(state)`: called at each change of state (a gauge set then, not looked at
+        on every request)."""
         self.failures = failures  # consecutive failures that open the circuit
         self.cooldown = cooldown  # seconds out before a probe
         self._clock = clock
+        self._changed = changed
         self.state = CLOSED
         self.row = 0  # consecutive failures so far
         self.opened_at = 0.0
@@ -41,8 +60,8 @@ class CircuitBreaker:
         if self.state is OPEN:
             if now - self.opened_at < self.cooldown:
                 return False
-            self.state = HALF_OPEN
             self._probe_at = now
+            self._to(HALF_OPEN)
             return True
         # Half-open: one probe at a time; a probe that never reports back (cancelled) is
         # forgotten after a cooldown so the upstream cannot stay out forever.
@@ -52,11 +71,17 @@ class CircuitBreaker:
         return False
 
     def success(self) -> None:
-        self.state = CLOSED
         self.row = 0
+        if self.state is not CLOSED:
+            self._to(CLOSED)
 
     def failure(self) -> None:
         self.row += 1
         if self.state is HALF_OPEN or self.row >= self.failures:
-            self.state = OPEN
             self.opened_at = self._clock.now()
+            self._to(OPEN)
+
+    def _to(self, state: State) -> None:
+        was, self.state = self.state, state
+        if self._changed is not None and state is not was:
+            self._changed(state)

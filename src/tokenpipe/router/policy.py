@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
@@ -46,6 +47,11 @@ def _show_deadline(kind: str, key: Any, value: float) -> None:
     metrics.child(metrics.DEADLINE, kind, key[0], key[1]).set(value)
 
 
+def _show_state(upstream: str, state: State) -> None:
+    """The circuit state gauge of `upstream`, set as its breaker changes state."""
+    metrics.UPSTREAM_STATE.labels(upstream).set(int(state))
+
+
 def prompt_class(tokens: int) -> int:
     """Prompt size class for TTFT estimates: prefill time grows with the prompt, so a 30k-token
     prompt is not judged by what 100-token prompts do. Classes: <1k, <4k, <16k, more."""
@@ -75,12 +81,13 @@ class Policy:
         self.hedge_budget = RatioBudget(h.budget_ratio, h.budget_reserve, clock=clock)
         b = settings.breaker
         self.breakers = {
-            u.name: CircuitBreaker(b.failures, b.cooldown_seconds, clock) for u in router.upstreams
+            u.name: CircuitBreaker(
+                b.failures, b.cooldown_seconds, clock, partial(_show_state, u.name)
+            )
+            for u in router.upstreams
         }
-        # The circuit state gauge, set when it changes (it is looked at on every request).
-        self._shown = dict.fromkeys(self.breakers, CLOSED)
         for name in self.breakers:
-            metrics.UPSTREAM_STATE.labels(name).set(int(CLOSED))
+            _show_state(name, CLOSED)
         # (upstream, model, prompt class) -> TTFT; (upstream, model) -> gaps between reads.
         self._ttft: dict[tuple[str, str, int], RollingQuantiles] = {}
         self._gap: dict[tuple[str, str], RollingQuantiles] = {}
@@ -212,25 +219,16 @@ class Policy:
             order = [u for u in order if u.name != avoid] + [u for u in order if u.name == avoid]
         for u in order:
             if not self.settings.breaker.enabled or self.breakers[u.name].allow():
-                self._show(u.name)
                 return u
         return order[0] if order else None
 
-    def _show(self, name: str) -> None:
-        state = self.breakers[name].state
-        if self._shown[name] is not state:
-            self._shown[name] = state
-            metrics.UPSTREAM_STATE.labels(name).set(int(state))
-
     def healthy(self, name: str) -> None:
         self.breakers[name].success()
-        self._show(name)
 
     def unhealthy(self, name: str) -> None:
         b = self.breakers[name]
         was = b.state
         b.failure()
-        self._show(name)
         if b.state is OPEN and was is not OPEN:
             log.warning("upstream %s taken out for %.1f s (circuit open)", name, b.cooldown)
 
