@@ -305,6 +305,15 @@ def child_figure(src: str, script: str, *args: str) -> float:
     return float(json.loads(done.stdout))
 
 
+def src_targets(base_src: str | None) -> dict[str, str]:
+    """The src/ directories a benchmark measures in child processes (`child_figure`): this
+    tree's, and another checkout's as "base" when `--base-src` gave one."""
+    targets = {"this tree": str(ROOT / "src")}
+    if base_src:
+        targets["base"] = base_src
+    return targets
+
+
 def write_json(path: str, benchmark: str, args: Any, **result: Any) -> None:
     """Saves a benchmark's result with its arguments and the machine's core count."""
     out = Path(path)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from _common import ROOT, child_figure, src_dir, write_json
+from _common import ROOT, child_figure, src_dir, src_targets, write_json
 
 READERS = (
     "chat",
@@ -101,9 +101,7 @@ def main() -> None:
     p.add_argument("--base-src", type=src_dir, help="src/ of another checkout, measured too")
     p.add_argument("--json", default=str(ROOT / "results" / "event_cpu.json"))
     args = p.parse_args()
-    targets = {"this tree": str(ROOT / "src")}
-    if args.base_src:
-        targets["base"] = args.base_src
+    targets = src_targets(args.base_src)
     us: dict[tuple[str, str], list[float]] = {(t, r): [] for t in targets for r in READERS}
     for i in range(args.rounds):
         print(f"  round {i + 1}/{args.rounds}", flush=True)

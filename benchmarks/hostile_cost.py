@@ -41,7 +41,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from _common import ROOT, child_figure, src_dir, write_json
+from _common import ROOT, child_figure, src_dir, src_targets, write_json
 
 #: (case, n): each is also run at 2n.
 CASES = {
@@ -274,9 +274,7 @@ def main() -> None:
     p.add_argument("--case", action="append", help="only the cases starting with this")
     p.add_argument("--json", default=str(ROOT / "results" / "hostile_cost.json"))
     args = p.parse_args()
-    targets = {"this tree": str(ROOT / "src")}
-    if args.base_src:
-        targets["base"] = args.base_src
+    targets = src_targets(args.base_src)
     cases = {
         c: n for c, n in CASES.items() if not args.case or any(c.startswith(x) for x in args.case)
     }

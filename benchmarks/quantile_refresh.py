@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from _common import ROOT, child_figure, src_dir, write_json
+from _common import ROOT, child_figure, src_dir, src_targets, write_json
 
 SPREADS = ("narrow", "ttft", "wide")
 #: The views a request reads (TTFT, gaps, the hedge's TTFT) at this many requests a second.
@@ -81,9 +81,7 @@ def main() -> None:
     p.add_argument("--base-src", type=src_dir, help="src/ of another checkout, measured too")
     p.add_argument("--json", default=str(ROOT / "results" / "quantile_refresh.json"))
     args = p.parse_args()
-    targets = {"this tree": str(ROOT / "src")}
-    if args.base_src:
-        targets["base"] = args.base_src
+    targets = src_targets(args.base_src)
     keys = [(t, s, w) for t in targets for s in SPREADS for w in ("refresh", "add")]
     us: dict[tuple[str, str, str], list[float]] = {k: [] for k in keys}
     for i in range(args.rounds):
