@@ -9,12 +9,12 @@ chunk, quantiles are read per request). The view holds the running totals of the
 bins: one for the slices that are over (merged by ddsketch once they are, every
 window/slices seconds) and one for the slice still filling; a quantile is a binary search
 over their sum, the key whose running total first passes its rank (ddsketch's own rule, so
-its own answer: tested). A refresh with the three quantiles a request reads costs 11-28
+its own answer: tested). A refresh with the three quantiles a request reads costs 12-29
 us, by how widely the values spread. Merging every slice into a new sketch and walking its
-bins in Python (ddsketch's `merge` and `get_quantile_value`) cost 46-245 us (117 for values
+bins in Python (ddsketch's `merge` and `get_quantile_value`) cost 45-254 us (115 for values
 spread as TTFTs are), and below a few hundred requests a second each view is refreshed
-four times a second: at 20 a second, three views cost ~70 us a request, a third of the
-request's own CPU; 11 us now (benchmarks/quantile_refresh.py).
+four times a second: at 20 a second, three views cost ~70 us a request (a 1-token request
+costs ~240 us of a busy gateway's CPU); 12 us now (benchmarks/quantile_refresh.py).
 
 At low rates every request finds the view stale: with `defer` (the event loop's
 `call_soon`), a stale read returns the value drawn from the last view and the refresh runs
@@ -49,7 +49,8 @@ BINS = 512
 #: Values to keys and back, as `LogCollapsingLowestDenseDDSketch(ACCURACY)` maps them.
 MAPPING = LogarithmicMapping(ACCURACY)
 #: `MAPPING.key(v)` is `ceil(log(v, 2) * _PER_OCTAVE)`, computed as it computes it (tested
-#: against it): inline, a value is added in 0.5 us, not 0.7, and gaps are added per token.
+#: against it). Inline, a value is added in 0.6 us, not 0.7 (ddsketch's own add: 0.9); the
+#: gaps between tokens are added per token.
 _PER_OCTAVE = 1 / log1p(2 * ACCURACY / (1 - ACCURACY)) * log(2)
 #: The key of the smallest value kept (1 us): the log mapping wants positive values.
 _KEY_FLOOR = MAPPING.key(1e-6)
