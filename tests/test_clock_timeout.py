@@ -65,3 +65,25 @@ async def test_none_arms_nothing_and_an_unexpired_block_returns_its_value() -> N
     with Timeout(60):
         value = await asyncio.sleep(0, "done")
     assert value == "done"
+
+
+async def test_given_the_task_it_runs_in_it_bounds_it_as_when_it_looks_it_up() -> None:
+    """The reader's timers are given its task (relay_stream's, through the accumulator):
+    the same contract, without `asyncio.current_task()` (a getpid system call in 3.11)."""
+    me = asyncio.current_task()
+    timer = Timeout(0.001, me)
+    with pytest.raises(TimeoutError), timer:
+        await _forever()
+    assert timer.expired() and me is not None and me.cancelling() == 0
+    entered = asyncio.Event()
+
+    async def guarded() -> None:
+        with Timeout(60, asyncio.current_task()):
+            entered.set()
+            await _forever()
+
+    task = asyncio.create_task(guarded())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -201,6 +201,7 @@ async def test_a_client_that_keeps_up_is_written_by_the_reader_in_the_callers_ta
         raise AssertionError("no writer task for a client that keeps up")
 
     async def read(acc: Accumulator) -> None:
+        assert acc.task is me  # the reader's timers are given it (router/race, router/stream)
         for p in pieces:
             acc.deliver([p])
             tasks_seen.append(len(asyncio.all_tasks()))

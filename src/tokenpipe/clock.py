@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from types import TracebackType
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Clock(Protocol):
@@ -51,18 +51,23 @@ class Timeout:
 
     __slots__ = ("_cancelling", "_fired", "_handle", "_seconds", "_task")
 
-    def __init__(self, seconds: float | None) -> None:
+    def __init__(self, seconds: float | None, task: asyncio.Task[Any] | None = None) -> None:
+        """`task`: the one running the block, when the caller has it (else looked up at
+        `__enter__`: in CPython 3.11 `asyncio.current_task()` costs a getpid system call)."""
         self._seconds = seconds
+        self._task = task
         self._fired = False
         self._handle: asyncio.TimerHandle | None = None
 
     def __enter__(self) -> Timeout:
         if self._seconds is None:
             return self
-        task = asyncio.current_task()
+        task = self._task
         if task is None:
-            raise RuntimeError("Timeout must be used inside a task")
-        self._task = task
+            task = asyncio.current_task()
+            if task is None:
+                raise RuntimeError("Timeout must be used inside a task")
+            self._task = task
         self._cancelling = task.cancelling()
         self._handle = task.get_loop().call_later(self._seconds, self._fire)
         return self
@@ -70,6 +75,7 @@ class Timeout:
     def _fire(self) -> None:
         self._fired = True
         self._handle = None
+        assert self._task is not None  # (armed only at __enter__, with the task known)
         self._task.cancel()
 
     def expired(self) -> bool:
@@ -84,9 +90,7 @@ class Timeout:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        if (
-            self._fired
-            and self._task.uncancel() <= self._cancelling
-            and exc_type is asyncio.CancelledError
-        ):
-            raise TimeoutError from exc
+        if self._fired:
+            assert self._task is not None
+            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc

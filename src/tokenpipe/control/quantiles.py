@@ -49,8 +49,8 @@ BINS = 512
 #: Values to keys and back, as `LogCollapsingLowestDenseDDSketch(ACCURACY)` maps them.
 MAPPING = LogarithmicMapping(ACCURACY)
 #: `MAPPING.key(v)` is `ceil(log(v, 2) * _PER_OCTAVE)`, computed as it computes it (tested
-#: against it). Inline, a value is added in 0.6 us, not 0.7 (ddsketch's own add: 0.9); the
-#: gaps between tokens are added per token.
+#: against it). Inline, a value is added in 0.6 us, not 0.7 (ddsketch's own add: 0.9); a
+#: stream adds the gap of one read in four (relay/stall.py).
 _PER_OCTAVE = 1 / log1p(2 * ACCURACY / (1 - ACCURACY)) * log(2)
 #: The key of the smallest value kept (1 us): the log mapping wants positive values.
 _KEY_FLOOR = MAPPING.key(1e-6)

@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
@@ -53,6 +54,7 @@ class Accumulator:
         "pending",
         "ready",
         "size",
+        "task",
         "wake",
         "write_error",
         "write_now",
@@ -80,6 +82,8 @@ class Accumulator:
         #: Called when a piece queues and no writer runs yet (relay_stream's: starts it).
         self.wake: Callable[[], None] | None = None
         self.write_error: BaseException | None = None  # a direct write failed (client gone)
+        #: The reader's task (relay_stream's caller's), for the timers that cancel its reads.
+        self.task: asyncio.Task[Any] | None = None
         # The writer's and the reader's wait, a future each only while one waits (an
         # asyncio.Event per side cost ~2% of a 1-token request's CPU, py-spy).
         self._data: asyncio.Future[None] | None = None

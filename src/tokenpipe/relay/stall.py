@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 #: One read in this many adds its gap to the stall estimate: the quantiles stay the same,
 #: the per-read cost of the sketch falls by as much.
@@ -40,12 +41,16 @@ class StallWatch:
         now: Callable[[], float],
         deadline: Callable[[float], float],
         gap: Callable[[float], None],
+        task: asyncio.Task[Any] | None = None,
     ) -> None:
+        """`task`: the reader's, when the caller has it (else looked up: in CPython 3.11
+        `asyncio.current_task()` costs a getpid system call)."""
         self.now = now
         self.deadline = deadline
         self.gap = gap
-        task = asyncio.current_task()
-        assert task is not None
+        if task is None:
+            task = asyncio.current_task()
+            assert task is not None
         self.task = task
         self._base = task.cancelling()
         self._handle: asyncio.TimerHandle | None = None

@@ -286,6 +286,7 @@ async def relay_stream(
     me = asyncio.current_task()
     assert me is not None
     acc = Accumulator(gate, write_now, ready)
+    acc.task = me
     writer = _Writer(acc, gate, emit, gate_changed, me)
     acc.wake = writer.start
     error: GatewayError | None = None

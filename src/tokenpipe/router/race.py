@@ -72,7 +72,7 @@ async def first_content(route: Route, parser: EventParser, acc: Accumulator) -> 
     # wait set) until the earlier of hedge time and TTFT deadline; the race below starts
     # only when that passes.
     due = ttft_end if hedge_at is None or hedge_at > ttft_end else hedge_at
-    timer = Timeout(due - now if due > now else 0.0)  # (max(): ~700 instructions)
+    timer = Timeout(due - now if due > now else 0.0, acc.task)  # (max(): ~700 instructions)
     try:
         with timer:
             await read_body(uresp, parser, acc, until_first=True)
