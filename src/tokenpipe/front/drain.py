@@ -100,7 +100,9 @@ async def tracked(
     are answered by the caller (front/http.py dispatch)."""
     if draining:
         raise refusal()
-    task = asyncio.current_task()
+    # The connection's task for it (a lookup, asyncio.current_task(), costs a getpid system
+    # call in CPython 3.11), else looked up.
+    task = request.task or asyncio.current_task()
     assert task is not None
     drain.tasks.add(task)
     try:

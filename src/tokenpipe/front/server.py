@@ -260,7 +260,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _start(self, request: Request) -> None:
         self._disarm()
-        self._task = self._loop.create_task(self._answer(request))
+        request.task = self._task = self._loop.create_task(self._answer(request))
 
     async def _answer(self, request: Request) -> None:
         started = time.perf_counter()

@@ -70,6 +70,7 @@ class Request:
         "query_string",
         "rid",
         "sse",
+        "task",
         "timing",
         "version",
     )
@@ -98,6 +99,7 @@ class Request:
         self.error_event: Callable[[Any], bytes] | None = None  # that stream's API's
         self.discarding = False  # the rest of the body is dropped as it arrives
         self.held = 0  # its body's charge against the gateway's BodyMemory, while it lasts
+        self.task: asyncio.Task[Any] | None = None  # the connection's task answering it
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False  # this body paused the connection's reading

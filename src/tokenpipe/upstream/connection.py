@@ -78,11 +78,15 @@ class Connection(asyncio.Protocol):
         self._finishing: asyncio.TimerHandle | None = None  # `finish`'s bound
         self._finish_bytes = 0
         self._probed = False  # TCP keep-alive set (keep_warm)
+        # The event loop it is connected on, looked up once (connection_made), not per
+        # request: in CPython 3.11 `asyncio.get_running_loop()` makes a getpid system call.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self._loop = asyncio.get_running_loop()
         sock = transport.get_extra_info("socket")
         if sock is None:
             return
@@ -167,7 +171,8 @@ class Connection(asyncio.Protocol):
         self._in_head = False
         headers = decoded(fields)
         head = self._head
-        resp = UpstreamResponse(self, self.parser.get_status_code(), headers, self._timeout)
+        status = self.parser.get_status_code()
+        resp = UpstreamResponse(self, status, headers, self._timeout, self._loop)
         self._resp = resp
         if head is not None and not head.done():
             head.set_result(resp)
@@ -202,8 +207,8 @@ class Connection(asyncio.Protocol):
     # -- used by the pool and the response ---------------------------------------------------
 
     def send(self, data: bytes, timeout: float | None) -> asyncio.Future[UpstreamResponse]:
-        assert self.transport is not None
-        self._head = asyncio.get_running_loop().create_future()
+        assert self.transport is not None and self._loop is not None
+        self._head = self._loop.create_future()
         self._in_head = True
         self._quiet = 0
         self._fields = []
@@ -229,10 +234,10 @@ class Connection(asyncio.Protocol):
         goes back to the pool at the end of the message, or is closed past FINISH_SECONDS or
         FINISH_MAX_BYTES (an upstream that goes on sending, or holds the body open)."""
         self._resp = None  # the body's rest is dropped (on_body)
-        if self.lost or self.transport is None:
+        if self.lost or self.transport is None or self._loop is None:
             return
         self._finish_bytes = 0
-        self._finishing = asyncio.get_running_loop().call_later(FINISH_SECONDS, self.abort)
+        self._finishing = self._loop.call_later(FINISH_SECONDS, self.abort)
         self.resume()  # reading may have been paused for a full buffer
 
     def _stop_finishing(self) -> None:

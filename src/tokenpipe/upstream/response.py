@@ -48,6 +48,7 @@ class UpstreamResponse:
         "_eof",
         "_error",
         "_fatal",
+        "_loop",
         "_nudged",
         "_read_timeout",
         "_size",
@@ -57,8 +58,18 @@ class UpstreamResponse:
         "status",
     )
 
-    def __init__(self, conn: Source, status: int, headers: CIMultiDict[str], timeout: float | None):
+    def __init__(
+        self,
+        conn: Source,
+        status: int,
+        headers: CIMultiDict[str],
+        timeout: float | None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
+        """`loop`: the connection's (else looked up at the first wait: a getpid system call
+        in CPython 3.11)."""
         self.status = status
+        self._loop = loop
         self.headers = CIMultiDictProxy(headers)
         self._conn: Source | None = conn
         self._buffer: collections.deque[bytes] = collections.deque()
@@ -135,7 +146,10 @@ class UpstreamResponse:
                 raise self._error
             if self._eof or nudged:
                 return b""
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
             try:
                 if self._read_timeout is None:
                     await self._waiter
