@@ -339,14 +339,16 @@ class Call:
         gate_changed: asyncio.Event | None = None,
         write_now: WriteNow | None = None,
         ready: Callable[[], bool] | None = None,
+        task: asyncio.Task[Any] | None = None,
     ) -> GatewayError | None:
         """Relays the stream to the client (relay.relay_stream with the router's reader);
-        returns why it ended early, if it did."""
+        returns why it ended early, if it did. `task`: the caller's (the front's request's),
+        when it has it."""
         assert self.parser is not None
         read = reader(self.route, self.parser)
         if self.tally.trace.capture and self.parser.record is None:
             self.parser.record = Record()  # the text for the span (bounded: RECORD_MAX_BYTES)
-        return await relay_stream(read, emit, gate, gate_changed, write_now, ready)
+        return await relay_stream(read, emit, gate, gate_changed, write_now, ready, task)
 
     def close(self, status: int) -> None:
         """Releases everything, whatever a step raises: one `finally` per resource (a step

@@ -4,6 +4,7 @@ error after the first byte as the stream's last event."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -167,19 +168,25 @@ async def respond(
         # A shutdown cut ends it with an error event of its API.
         request.sse = sse_response
         request.error_event = call.dialect.error_event
-        status = await relay_sse(call, sse_response, gate)
+        status = await relay_sse(call, sse_response, gate, request.task)
         return sse_response
     finally:
         call.close(status)
 
 
-async def relay_sse(call: Call, response: StreamResponse, gate: FlowGate | None) -> int:
-    """Returns the status to record. Errors after the first byte become an SSE error event."""
+async def relay_sse(
+    call: Call,
+    response: StreamResponse,
+    gate: FlowGate | None,
+    task: asyncio.Task[Any] | None = None,
+) -> int:
+    """Returns the status to record. Errors after the first byte become an SSE error event.
+    `task`: the one running it (the request's), when the caller has it."""
     tally = call.tally
     end = StreamEnd(tally, call.timing)
     emit, write_now, ready = emit_sse(response, tally, end)
     try:
-        error = await call.relay(emit, gate, write_now=write_now, ready=ready)
+        error = await call.relay(emit, gate, write_now=write_now, ready=ready, task=task)
         # An error event is the stream's last: no [DONE] follows it (ARCHITECTURE.md), so a
         # client that stops at [DONE] never takes a cut answer for a whole one. The same holds
         # when the stream ended at the upstream's own error event (relayed as it came).

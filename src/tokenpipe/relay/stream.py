@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Piece
@@ -276,6 +277,7 @@ async def relay_stream(
     gate_changed: asyncio.Event | None = None,
     write_now: WriteNow | None = None,
     ready: Callable[[], bool] | None = None,
+    task: asyncio.Task[Any] | None = None,
 ) -> GatewayError | None:
     """Runs a reader and the writer for one stream. `read(acc)` fills the accumulator and
     returns why the stream ended early, if it did (the router's reader: race, body, resume).
@@ -283,8 +285,8 @@ async def relay_stream(
     and `ready` (the client has nothing waiting for it) the reader writes directly while the
     client keeps up (see Accumulator); the writer task (`pump`) starts only once a piece
     queues, and never outlives this call. Raises what a write raised (the client went away)."""
-    me = asyncio.current_task()
-    assert me is not None
+    me = task or asyncio.current_task()  # `task`: the caller's, when it has it (a lookup
+    assert me is not None  # costs a getpid system call in CPython 3.11)
     acc = Accumulator(gate, write_now, ready)
     acc.task = me
     writer = _Writer(acc, gate, emit, gate_changed, me)
