@@ -13,21 +13,33 @@ async def _forever() -> None:
     await asyncio.Event().wait()
 
 
-async def test_past_its_bound_the_block_raises_timeout_and_leaves_no_cancel() -> None:
-    timer = Timeout(0.001)
+# `given`: the caller gives the task the block runs in (the reader's timers get it through
+# the accumulator), instead of the lookup (`asyncio.current_task()`: a getpid in 3.11).
+GIVEN = pytest.mark.parametrize("given", [False, True], ids=["looked-up", "given"])
+
+
+@GIVEN
+async def test_past_its_bound_the_block_raises_timeout_and_leaves_no_cancel(
+    given: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    me = asyncio.current_task()
+    assert me is not None
+    if given:  # the given task is used: no lookup at all
+        monkeypatch.setattr(asyncio, "current_task", lambda loop=None: None)
+    timer = Timeout(0.001, me if given else None)
     with pytest.raises(TimeoutError), timer:
         await _forever()
     assert timer.expired()
-    me = asyncio.current_task()
-    assert me is not None and me.cancelling() == 0
+    assert me.cancelling() == 0
     await asyncio.sleep(0)  # (a cancel left pending would be raised here)
 
 
-async def test_a_cancel_from_outside_stays_a_cancellation() -> None:
+@GIVEN
+async def test_a_cancel_from_outside_stays_a_cancellation(given: bool) -> None:
     entered = asyncio.Event()
 
     async def guarded() -> None:
-        with Timeout(60):
+        with Timeout(60, asyncio.current_task() if given else None):
             entered.set()
             await _forever()
 
@@ -65,25 +77,3 @@ async def test_none_arms_nothing_and_an_unexpired_block_returns_its_value() -> N
     with Timeout(60):
         value = await asyncio.sleep(0, "done")
     assert value == "done"
-
-
-async def test_given_the_task_it_runs_in_it_bounds_it_as_when_it_looks_it_up() -> None:
-    """The reader's timers are given its task (relay_stream's, through the accumulator):
-    the same contract, without `asyncio.current_task()` (a getpid system call in 3.11)."""
-    me = asyncio.current_task()
-    timer = Timeout(0.001, me)
-    with pytest.raises(TimeoutError), timer:
-        await _forever()
-    assert timer.expired() and me is not None and me.cancelling() == 0
-    entered = asyncio.Event()
-
-    async def guarded() -> None:
-        with Timeout(60, asyncio.current_task()):
-            entered.set()
-            await _forever()
-
-    task = asyncio.create_task(guarded())
-    await entered.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
