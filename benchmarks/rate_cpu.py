@@ -21,27 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 from typing import Any
 
-from _common import ROOT, bare_relay, gateway, src_dir, write_json
+from _common import ROOT, bare_relay, cpu_ns, gateway, src_dir, write_json
 
 from tokenpipe.bench import procs, run_load
 from tokenpipe.bench.procs import Service
-
-
-def cpu_ns(pid: int) -> int:
-    """Nanoseconds the process's threads have run on a CPU (the scheduler's own count,
-    /proc/PID/task/*/schedstat; psutil's times are in 10 ms ticks, 25 us a request here)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except OSError:  # the thread ended
-            pass
-    return total
 
 
 async def _round(svc: Service, args: argparse.Namespace, seed: int) -> float:

@@ -178,10 +178,10 @@ async def relay_sse(
     call: Call,
     response: StreamResponse,
     gate: FlowGate | None,
-    task: asyncio.Task[Any] | None = None,
+    task: asyncio.Task[Any] | None,
 ) -> int:
     """Returns the status to record. Errors after the first byte become an SSE error event.
-    `task`: the one running it (the request's), when the caller has it."""
+    `task`: the one running it (the request's; None: looked up)."""
     tally = call.tally
     end = StreamEnd(tally, call.timing)
     emit, write_now, ready = emit_sse(response, tally, end)

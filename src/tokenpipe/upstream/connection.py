@@ -234,8 +234,9 @@ class Connection(asyncio.Protocol):
         goes back to the pool at the end of the message, or is closed past FINISH_SECONDS or
         FINISH_MAX_BYTES (an upstream that goes on sending, or holds the body open)."""
         self._resp = None  # the body's rest is dropped (on_body)
-        if self.lost or self.transport is None or self._loop is None:
+        if self.lost or self.transport is None:
             return
+        assert self._loop is not None  # (set with the transport, connection_made)
         self._finish_bytes = 0
         self._finishing = self._loop.call_later(FINISH_SECONDS, self.abort)
         self.resume()  # reading may have been paused for a full buffer
