@@ -15,6 +15,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --prompt 16000       # ~70 KB prompts
     python benchmarks/request_instructions.py --tokens 64 --itl-ms 2   # paced tokens
     python benchmarks/request_instructions.py --path "messages via chat"  # a translation
+    python benchmarks/request_instructions.py --ratelimit-headers  # answers carry x-ratelimit-*
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -49,6 +50,7 @@ from statistics import median
 from typing import Any
 
 from _common import (
+    RATELIMIT_HEADERS_SIM,
     READING_RELAY,
     RELAY,
     config_file,
@@ -237,7 +239,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets += [] if args.no_relay else [(RELAY, RELAY)]
     targets += [(READING_RELAY, READING_RELAY)] if args.reading_relay else []
     results: dict[str, Any] = {}
-    with procs.sim("--ttft-ms", "0", "--itl-ms", str(args.itl_ms)) as sim:
+    limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
+    with procs.sim("--ttft-ms", "0", "--itl-ms", str(args.itl_ms), *limits) as sim:
         for name, src in targets:
             print(f"  {name}", flush=True)
             results[name] = await _target(sim.url, src, args)
@@ -310,6 +313,11 @@ def main() -> None:
     p.add_argument("--no-relay", action="store_true", help="leave the bare relay out")
     p.add_argument(
         "--reading-relay", action="store_true", help="+ the relay decoding what it forwards"
+    )
+    p.add_argument(
+        "--ratelimit-headers",
+        action="store_true",
+        help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
     )
     p.add_argument("--top", type=int, default=15, help="functions listed (0: none)")
     p.add_argument("--keep", help="keep each target's dumps in a folder under this one")

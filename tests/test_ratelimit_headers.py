@@ -9,12 +9,15 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from tokenpipe.control.ratelimit_headers import (
+    Reading,
     go_duration,
-    mentions_limits,
+    learned_spec,
+    limit_names,
     parse,
     parse_duration,
     parse_retry_after,
 )
+from tokenpipe.control.store import Spec
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()
 
@@ -206,13 +209,16 @@ def test_durations_are_remembered_within_a_bound() -> None:
     ],
 )
 def test_a_head_naming_what_parse_reads_is_parsed(name: str) -> None:
-    """The limiter parses only the heads `mentions_limits` picks: each header `parse` acts
-    on, in any case, among others, in a plain dict and in the upstream's own multidict."""
+    """The limiter parses only the heads `limit_names` picks: each header `parse` acts on,
+    in any case, among others, in a plain dict and in the upstream's own multidict; and
+    `parse` given those names reads as it does alone."""
     fields = [("content-type", "text/event-stream"), (name, "5"), ("x-request-id", "r")]
     for headers in (dict(fields), CIMultiDictProxy(CIMultiDict(fields))):
-        assert mentions_limits(headers)
+        names = limit_names(headers)
+        assert names is not None
         info = parse(headers, NOW)
         assert info  # and parse reads it
+        assert parse(headers, NOW, names) == info
 
 
 def test_a_head_without_limits_is_not_parsed() -> None:
@@ -223,6 +229,33 @@ def test_a_head_without_limits_is_not_parsed() -> None:
         ("date", "Mon, 07 Dec 2026 04:00:00 GMT"),
     ]
     for headers in ({}, dict(fields), CIMultiDictProxy(CIMultiDict(fields))):
-        assert not mentions_limits(headers)
+        assert limit_names(headers) is None
         info = parse(headers, NOW)
         assert not info and not info.notes
+
+
+def test_a_name_sent_twice_is_read_at_its_first_value() -> None:
+    headers = CIMultiDict(
+        [
+            ("x-ratelimit-limit-requests", "60"),
+            ("X-RateLimit-Limit-Requests", "600"),
+            ("x-ratelimit-remaining-requests", "5"),
+        ]
+    )
+    info = parse(headers, NOW)
+    assert info.requests is not None and info.requests.limit == 60 and not info.notes
+
+
+def test_a_reading_that_says_what_the_bucket_says_gives_back_the_same_spec() -> None:
+    """learned_spec: the bucket the headers describe, and the very Spec it was given when
+    they describe that one (the store refits its buckets whenever the Spec is another)."""
+    assert learned_spec(None, None) is None
+    first = learned_spec(None, Reading(600.0, 15.0, 0.5))  # 10/s, 15 left + 0.5 s of refill
+    assert first == Spec(10.0, 20.0)
+    assert learned_spec(first, Reading(600.0, 14.0, 0.6)) is first  # the same depth again
+    assert learned_spec(first, Reading(600.0, 3.0, 0.1)) is first  # shallower: kept deeper
+    assert learned_spec(first, Reading(600.0, 25.0, 0.5)) == Spec(10.0, 30.0)  # deeper
+    assert learned_spec(first, Reading(1200.0, 15.0, 0.5)) == Spec(20.0, 25.0)  # new limit
+    assert learned_spec(first, Reading(None, 15.0, 0.5)) is first  # no limit: nothing learned
+    assert learned_spec(None, Reading(600.0)) == Spec(10.0, 600.0)  # no depth: the minute's
+    assert learned_spec(None, Reading(30.0, 0.0, 0.0)) == Spec(0.5, 1.0)  # at least 1 deep

@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control import ratelimit_headers
@@ -128,6 +129,7 @@ class Limiter:
         self._m_wait = metrics.LIMITER_WAIT.labels(name)
         self._m_429 = metrics.UPSTREAM_429.labels(name)
         self._m_conc = metrics.CONCURRENCY_LIMIT.labels(name)
+        self._m_remaining: dict[str, Any] = {}  # by kind (requests, tokens): two at most
         if concurrency is not None:
             self._m_conc.set(concurrency.limit)
 
@@ -233,28 +235,28 @@ class Limiter:
         request may wait for a slot again (router/attempt.py). `private`: the answer came
         from this machine or a private network (the module doc: it opens a cold limit)."""
         self._unanswered.pop(permit, None)
-        info = (
-            ratelimit_headers.parse(headers, self.wall())
-            if (self.learn_enabled or status == 429) and ratelimit_headers.mentions_limits(headers)
-            else None
+        names = (
+            ratelimit_headers.limit_names(headers) if self.learn_enabled or status == 429 else None
         )
+        info = ratelimit_headers.parse(headers, self.wall(), names) if names is not None else None
         if info is not None and info.notes:
             _clamp_log.report(self.name, info.notes)
         if info and self.learn_enabled:
-            learned = Limits(
-                learned_spec(self.limits.requests, info.requests),
-                learned_spec(self.limits.tokens, info.tokens),
-            )
-            # Kept when equal (as it is on most answers): the store fits a scope's buckets
-            # once per Limits object, so a new equal one would refit them on every answer.
-            if learned != self.limits:
-                self.limits = learned
-            rem_r = info.requests.remaining if info.requests else None
-            rem_t = info.tokens.remaining if info.tokens else None
+            requests, tokens = info.requests, info.tokens
+            old = self.limits
+            learned_r = learned_spec(old.requests, requests)
+            learned_t = learned_spec(old.tokens, tokens)
+            # Kept as they were (as on most answers: learned_spec gives back the same Spec):
+            # the store fits a scope's buckets once per Limits object, so a new equal one
+            # would refit them on every answer.
+            if learned_r is not old.requests or learned_t is not old.tokens:
+                self.limits = Limits(learned_r, learned_t)
+            rem_r = requests.remaining if requests is not None else None
+            rem_t = tokens.remaining if tokens is not None else None
             if rem_r is not None:
-                metrics.child(metrics.RATELIMIT_REMAINING, self.name, "requests").set(rem_r)
+                self._remaining("requests").set(rem_r)
             if rem_t is not None:
-                metrics.child(metrics.RATELIMIT_REMAINING, self.name, "tokens").set(rem_t)
+                self._remaining("tokens").set(rem_t)
             if rem_r is not None or rem_t is not None:
                 # Learned levels sit a little below what the upstream said: the clocks of
                 # replicas, Redis and the upstream differ by milliseconds, and arriving a hair
@@ -287,6 +289,14 @@ class Limiter:
             await self.store.pause(self.scope, retry)
         self._wake.set()
         return full
+
+    def _remaining(self, kind: str) -> Any:
+        """The gauge of what the upstream says is left of `kind`'s bucket (made at the first
+        answer that says it, not before: a gauge shows 0 until it is set)."""
+        gauge = self._m_remaining.get(kind)
+        if gauge is None:
+            gauge = self._m_remaining[kind] = metrics.RATELIMIT_REMAINING.labels(self.name, kind)
+        return gauge
 
     def _since(self, permit: Permit) -> Decision:
         """The reservation `permit`'s answer counts from. An upstream's `remaining` counts
