@@ -287,7 +287,9 @@ def _read(
         return
     if reset is not None:
         secs = parse_duration(reset) if now_wall is None else parse_instant(reset, now_wall)
-        reading.reset = _bounded(notes, "reset", reset, secs, 0.0, MAX_RESET)
+        if secs is None or not 0.0 <= secs <= MAX_RESET:
+            secs = _bounded(notes, "reset", reset, secs, 0.0, MAX_RESET)
+        reading.reset = secs
     out.readings[kind] = reading
 
 

@@ -12,10 +12,11 @@ processes with the memory backend (`serve --workers N`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import isfinite
 from typing import NamedTuple, Protocol
 
 from tokenpipe.clock import MONOTONIC, Clock
-from tokenpipe.control.bounds import MAX_PAUSE, finite
+from tokenpipe.control.bounds import MAX_PAUSE
 from tokenpipe.control.bucket import TokenBucket
 
 
@@ -179,12 +180,15 @@ class MemoryStore:
     ) -> None:
         s = self._scope(scope, limits)
         # Only finite levels are believed (bucket.set_level bounds them to the bucket).
-        remaining_requests, remaining_tokens = finite(remaining_requests), finite(remaining_tokens)
         same = since is not None and since.origin == self.origin
-        if s.requests is not None and remaining_requests is not None:
+        if (
+            s.requests is not None
+            and remaining_requests is not None
+            and isfinite(remaining_requests)
+        ):
             after = s.seq_requests - since.seq_requests if same and since else 0.0
             s.requests.set_level(remaining_requests * self.share - after)
-        if s.tokens is not None and remaining_tokens is not None:
+        if s.tokens is not None and remaining_tokens is not None and isfinite(remaining_tokens):
             after = s.seq_tokens - since.seq_tokens if same and since else 0.0
             s.tokens.set_level(remaining_tokens * self.share - after)
 
