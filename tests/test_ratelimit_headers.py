@@ -15,6 +15,7 @@ from tokenpipe.control.ratelimit_headers import (
     limit_names,
     parse,
     parse_duration,
+    parse_instant,
     parse_retry_after,
 )
 from tokenpipe.control.store import Spec
@@ -181,20 +182,37 @@ def test_anthropic_values_out_of_range_are_dropped_or_clamped(
     assert info.retry_after is None or info.retry_after <= 60
 
 
-def test_durations_are_remembered_within_a_bound() -> None:
-    """parse_duration keeps its answers (the same resets come on every answer) in a memo
-    that never holds more than its bound, and a remembered answer is the parsed one."""
+@pytest.mark.parametrize("kind", ["duration", "instant"])
+def test_parsed_texts_are_remembered_within_a_bound(kind: str) -> None:
+    """parse_duration and parse_instant keep their answers (the same resets come on every
+    answer) in a memo that never holds more than its bound, and a remembered answer is the
+    parsed one."""
     from tokenpipe.control import ratelimit_headers as rh
 
-    for i in range(3 * rh._DURATIONS_MAX):
-        assert parse_duration(f"{i}ms") == pytest.approx(i / 1000)
-        assert len(rh._DURATIONS) <= rh._DURATIONS_MAX
-    assert parse_duration("6m0s") == parse_duration("6m0s") == 360.0
-    assert parse_duration("nonsense") is None and parse_duration("nonsense") is None
-    long = "1s" * 20_000  # a hostile upstream's 40 KB reset: parsed, never kept
-    assert parse_duration(long) == 20_000.0
-    assert long not in rh._DURATIONS
-    assert all(len(k) <= rh._DURATION_KEY_MAX for k in rh._DURATIONS)
+    def parsed(text: str) -> float | None:
+        return parse_duration(text) if kind == "duration" else parse_instant(text, NOW)
+
+    memo = rh._DURATIONS if kind == "duration" else rh._INSTANTS
+    start = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC).timestamp()  # NOW
+    for i in range(3 * rh.MEMO_MAX):
+        if kind == "duration":
+            assert parsed(f"{i}ms") == pytest.approx(i / 1000)
+        else:
+            text = datetime.fromtimestamp(start + i, UTC).isoformat().replace("+00:00", "Z")
+            assert parsed(text) == parsed(text) == i
+        assert len(memo) <= rh.MEMO_MAX
+    if kind == "duration":
+        assert parsed("6m0s") == parsed("6m0s") == 360.0
+    else:  # the instant is kept, not the seconds from one moment
+        assert parse_instant("2026-01-02T03:04:15Z", NOW) == 10.0
+        assert parse_instant("2026-01-02T03:04:15Z", NOW + 4) == 6.0
+        assert parse_instant("2026-01-02T03:04:15Z", NOW + 40) == 0.0
+        assert parsed("2026-01-02T03:04:15") is None  # no time zone
+    assert parsed("nonsense") is None and parsed("nonsense") is None
+    long = "1s" * 20_000 if kind == "duration" else "2026-01-02T03:04:05Z" + " " * 40_000
+    assert parsed(long) == (20_000.0 if kind == "duration" else 0.0)  # parsed, never kept
+    assert long not in memo
+    assert all(len(k) <= rh.MEMO_KEY_MAX for k in memo)
 
 
 @pytest.mark.parametrize(

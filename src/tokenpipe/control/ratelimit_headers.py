@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from email.utils import parsedate_to_datetime
@@ -87,25 +87,34 @@ class RateLimits:
         return bool(self.readings) or self.retry_after is not None
 
 
-#: parse_duration's answers by text: providers send the same few resets ("6ms", "1s") on
-#: answer after answer, and a regex pass costs ~1.3 us. Bound: _DURATIONS_MAX texts of at
-#: most _DURATION_KEY_MAX characters (~100 KiB; then it starts again empty); a longer text
-#: (an upstream's nonsense, up to the head's 64 KiB) is parsed and not kept.
+#: The parsers' answers by text (`parse_duration`'s seconds, `parse_instant`'s instants):
+#: providers send the same few texts on answer after answer (OpenAI's resets "6ms", "1s";
+#: Anthropic's instants, to the second), and a parse costs 0.6-1.3 us. Bound: MEMO_MAX texts
+#: of at most MEMO_KEY_MAX characters each (~100 KiB; then it starts again empty); a longer
+#: text (an upstream's nonsense, up to the head's 64 KiB) is parsed and not kept.
 _DURATIONS: dict[str, float | None] = {}
-_DURATIONS_MAX = 1024
-_DURATION_KEY_MAX = 32
+_INSTANTS: dict[str, float | None] = {}  # epoch seconds
+MEMO_MAX = 1024
+MEMO_KEY_MAX = 32
+
+
+def _remember(
+    memo: dict[str, float | None], text: str, parse: Callable[[str], float | None]
+) -> float | None:
+    """`parse(text)`, kept in `memo` within its bound (the caller looked it up first)."""
+    if len(text) > MEMO_KEY_MAX:
+        return parse(text)
+    if len(memo) >= MEMO_MAX:
+        memo.clear()
+    value = memo[text] = parse(text)
+    return value
 
 
 def parse_duration(text: str) -> float | None:
     """A Go duration (`6m0s`, `1.5s`, `12ms`) or a bare number of seconds, in seconds."""
     if text in _DURATIONS:
         return _DURATIONS[text]
-    if len(text) > _DURATION_KEY_MAX:
-        return _parse_duration(text)
-    if len(_DURATIONS) >= _DURATIONS_MAX:
-        _DURATIONS.clear()
-    seconds = _DURATIONS[text] = _parse_duration(text)
-    return seconds
+    return _remember(_DURATIONS, text, _parse_duration)
 
 
 def _parse_duration(text: str) -> float | None:
@@ -131,11 +140,19 @@ def _parse_duration(text: str) -> float | None:
 
 def parse_instant(text: str, now_wall: float) -> float | None:
     """An RFC 3339 instant (`2024-05-01T12:00:05Z`) as seconds from now (>= 0)."""
+    when = _INSTANTS[text] if text in _INSTANTS else _remember(_INSTANTS, text, _epoch)
+    if when is None:
+        return None
+    return when - now_wall if when > now_wall else 0.0  # (max(): ~700 instructions)
+
+
+def _epoch(text: str) -> float | None:
+    """An RFC 3339 instant in seconds since the epoch; None without a time zone."""
     try:
         when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
         if when.tzinfo is None:
             return None
-        return max(0.0, when.timestamp() - now_wall)
+        return when.timestamp()
     except (ValueError, OverflowError):
         return None
 
