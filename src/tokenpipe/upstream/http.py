@@ -88,6 +88,9 @@ class HttpUpstream:
         # The listed ids (at most MAX_MODELS), one frozenset per change of the list: membership
         # on each request is a hash (a list's scan of 100,000 ids cost 5 ms a request), and
         # the object itself says "unchanged" to the caches built from it (router/candidates.py).
+        #: The config's names for membership (its list holds up to MAX_MODELS), and "*".
+        self._names = frozenset(settings.models)
+        self._any = "*" in self._names
         self._models: frozenset[str] | None = None
         self._models_at = 0.0
         self._models_failed_at = -MODELS_RETRY
@@ -272,10 +275,9 @@ class HttpUpstream:
 
     def serves_now(self, model: str) -> bool | None:
         """`serves(model)` when it is known without asking the upstream, else None."""
-        models = self.settings.models
-        if model in models:
+        if model in self._names:
             return True
-        if "*" not in models:
+        if not self._any:
             return False
         hit, listed = self._cached_models(self.clock.now())
         if not hit:
