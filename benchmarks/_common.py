@@ -293,19 +293,45 @@ def gateway_under(
     )
 
 
+#: A conversation's words (English-like: ~5.5 characters a word with its space).
+_WORDS = (
+    *("the", "model", "reads", "every", "earlier", "turn", "of", "the", "conversation"),
+    *("again", "before", "it", "answers"),
+)
+
+
+def conversation(messages: int) -> list[dict[str, str]]:
+    """A chat's history as a client resends it each turn: a system prompt, then `messages`
+    turns of the user and the assistant in alternation, ~250 characters each."""
+    turns = [{"role": "system", "content": "You are a helpful assistant. " * 8}]
+    for i in range(messages):
+        text = " ".join(_WORDS[(i + j) % len(_WORDS)] for j in range(45))
+        turns.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return turns
+
+
 async def one_token_requests(
-    svc: Service, concurrency: int, requests: int, prompt_tokens: int = 32, api: str = "chat"
+    svc: Service,
+    concurrency: int,
+    requests: int,
+    prompt_tokens: int = 32,
+    api: str = "chat",
+    model: str = "sim-model",
+    messages: int = 0,
 ) -> Any:
     """`requests` streamed requests of 1 token each (32-token prompts, ~4.4 bytes a token;
-    `api`: chat, responses or messages) to the sim's model through `svc`, `concurrency` at a
-    time: the request path's load. Returns the load's result (its `records`)."""
+    `api`: chat, responses or messages) to `model` (the sim serves any name) through `svc`,
+    `concurrency` at a time: the request path's load. `messages`: each request a
+    `conversation` of that many turns instead of one prompt. Returns the load's result (its
+    `records`)."""
     return await run_load(
         svc.url + "/v1",
-        "sim-model",
+        model,
         concurrency=concurrency,
         requests=requests,
         max_tokens=1,
         prompt_tokens=prompt_tokens,
+        prompts=[conversation(messages)] if messages else None,
         api=api,
     )
 

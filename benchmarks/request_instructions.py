@@ -16,6 +16,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --tokens 64 --itl-ms 2   # paced tokens
     python benchmarks/request_instructions.py --path "messages via chat"  # a translation
     python benchmarks/request_instructions.py --ratelimit-headers  # answers carry x-ratelimit-*
+    python benchmarks/request_instructions.py --messages 30 --model gpt-4o-mini  # a chat's history
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -194,16 +195,17 @@ async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> di
         upstream = _upstream(kind, sim_url)
         with gateway_under(sim_url, src, prefix, env, timeout=300, upstream=upstream) as svc:
             counted = Counted(svc, folder)
-            await one_token_requests(svc, args.concurrency, args.warmup, api=api)
+            shape = {"api": api, "model": args.model, "messages": args.messages}
+            await one_token_requests(svc, args.concurrency, args.warmup, **shape)
             await counted.start()
-            await one_token_requests(svc, args.concurrency, args.warmup, api=api)
+            await one_token_requests(svc, args.concurrency, args.warmup, **shape)
             await counted.dump()  # the warm-up, dropped
             short: list[float] = []
             long: list[float] = []
             functions: dict[str, tuple[int, str]] = {}
             for r in range(args.rounds):
                 print(f"    round {r + 1}/{args.rounds}", flush=True)
-                await one_token_requests(svc, args.concurrency, args.requests, args.prompt, api=api)
+                await one_token_requests(svc, args.concurrency, args.requests, args.prompt, **shape)
                 path = await counted.dump()
                 short.append(_totals(path) / (args.requests + 1))
                 for name, (n, obj) in _by_function(path).items():
@@ -252,7 +254,8 @@ def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
     relay = results.get(RELAY)
     print(
         f"\nInstructions (callgrind Ir, user space) per 1-token request, {args.path},"
-        f" {args.prompt}-token prompt, {args.rounds} rounds"
+        f" {f'{args.messages} messages' if args.messages else f'{args.prompt}-token prompt'},"
+        f" model {args.model}, {args.rounds} rounds"
     )
     print(f"{'target':<12} {'a request':>10} {'rounds':>19} {'x relay':>8} {'a token':>9}")
     for name in names:
@@ -313,6 +316,18 @@ def main() -> None:
     p.add_argument("--no-relay", action="store_true", help="leave the bare relay out")
     p.add_argument(
         "--reading-relay", action="store_true", help="+ the relay decoding what it forwards"
+    )
+    p.add_argument(
+        "--messages",
+        type=int,
+        default=0,
+        help="each request a conversation of this many turns (~250 characters each)",
+    )
+    p.add_argument(
+        "--model",
+        default="sim-model",
+        help="the requests' model (one with a known context window, e.g. gpt-4o-mini, "
+        "turns the context budget on)",
     )
     p.add_argument(
         "--ratelimit-headers",

@@ -29,6 +29,30 @@ def test_a_long_prompt_is_estimated_from_samples_as_closely_as_counted_whole() -
         assert estimate_text(sample) >= len(sample) / 4
 
 
+def test_a_chat_is_estimated_message_by_message_whatever_each_holds() -> None:
+    """A request's prompt is its messages' estimates (each as `estimate_text` gives it,
+    inline for the usual string content), their overheads and the reply primer: text with
+    and without line breaks, dense separators, empty, past EXACT_CHARS, content parts, none;
+    an entry that is no message adds nothing."""
+    contents = [
+        "one two three",
+        "one\ntwo\nthree\nfour",
+        "a b c d e f g h",  # words outnumber four characters a token
+        "\n\n\n\n\n\n",
+        "",
+        "x" * 40,
+        "word " * 3000,  # past EXACT_CHARS: sampled
+        [{"type": "text", "text": "in a part"}, {"type": "image_url", "image_url": {}}],
+        None,
+    ]
+    messages = [{"role": "user", "content": c} for c in contents]
+    want = cost.PER_REPLY + sum(
+        estimate_text(cost._content(c)) + cost.PER_MESSAGE for c in contents
+    )
+    assert of_request({"messages": messages}).prompt == want
+    assert of_request({"messages": [*messages, "not a message", 5]}).prompt == want
+
+
 def test_reservation_is_prompt_plus_max_tokens_times_n() -> None:
     c = of_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "n": 2})
     assert c.prompt == 1 + 4 + 3  # the word, the message overhead, the reply primer
