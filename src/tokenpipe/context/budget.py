@@ -195,15 +195,16 @@ class ContextBudget:
         max_tokens = req.max_completion_tokens or req.max_tokens
         # Tool definitions are rendered into the prompt too; their JSON approximates them.
         tools = obj.get("tools") or obj.get("functions")
-        tools_text = dumps_request(tools).decode() if tools else ""
+        tools_json = dumps_request(tools) if tools else b""
         texts = [tokens.message_text(m) for m in messages]  # (once: each pass ~0.2 us a message)
         if counter.exact:
             # Fast path: most requests are far below the window; bytes bound the tokens.
             want = max_tokens if max_tokens is not None else self.settings.reserve_output_tokens
-            upper = tokens.upper_bound(counter, messages, texts) + len(tools_text.encode())
+            upper = tokens.upper_bound(counter, messages, texts) + len(tools_json)  # (UTF-8)
             if upper + want + self.settings.margin_tokens <= window:
                 return UNCHANGED
         costs = await tokens.count_messages_off_loop(counter, messages, texts)
+        tools_text = tools_json.decode()  # (here: most requests fit, and need only its size)
         # Tokens per request outside the messages: the reply's opening and the tools.
         reply = counter.chat.reply + (counter.count(tools_text) if tools_text else 0)
         chars = sum(map(len, texts)) + len(tools_text)
