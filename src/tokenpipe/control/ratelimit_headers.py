@@ -251,9 +251,9 @@ def parse(headers: Mapping[str, str], now_wall: float, names: str | None = None)
 
     This runs for every answer of an upstream that states its limits (OpenAI and Anthropic
     do). Each header it reads is looked up by name, in the families the head's names
-    mention: 1.5 us for OpenAI's six among 16 headers, where a pass over every header in
-    Python, sorting them by name, took 6.8 us (timeit). A name sent twice is read once (its
-    first value)."""
+    mention: 3.2 us for OpenAI's six among 16 headers, 5.4 for Anthropic's twelve among 22,
+    where a pass over every header in Python, sorting them by name, took 6.8 and 15.5 us
+    (timeit). A name sent twice is read once (its first value)."""
     if not isinstance(headers, _CASE_BLIND):
         headers = CIMultiDict(headers)  # a plain mapping: its names in any case too
     if names is None:
