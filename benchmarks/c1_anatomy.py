@@ -13,6 +13,7 @@ round trip between two processes (the wake-ups a hop adds).
     python benchmarks/c1_anatomy.py --base-src ../base/src   # + tp-base: before/after
     python benchmarks/c1_anatomy.py --rounds 10 --slow-phase-ms 0.5   # what runs now and then
     python benchmarks/c1_anatomy.py --idle-poll alternate --rounds 6    # root: see below
+    python benchmarks/c1_anatomy.py --redis --ratelimit-headers --ttft-ms 0   # shared limits
 
 The sim sends its head and role chunk at once and the first content token `--ttft-ms`
 later; tokenpipe holds its head until the role chunk is there, so its "head" is the role
@@ -42,14 +43,18 @@ import re
 import select
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import _nginx
 from _common import (
     CPU_DMA_LATENCY,
+    RATELIMIT_HEADERS_SIM,
     ROOT,
     bare_relay,
+    config_file,
     cpu_seconds,
     gateway,
     idle_polling,
@@ -58,6 +63,9 @@ from _common import (
     write_json,
 )
 
+sys.path.insert(0, str(ROOT))  # tests/ (the redis-server of --redis)
+
+from tests.redis_server import RedisServer
 from tokenpipe.bench.procs import Service, sim
 from tokenpipe.bench.stream import server_timing
 
@@ -153,13 +161,25 @@ def round_trip_us(n: int = 2000) -> float:
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    upstream = sim("--ttft-ms", str(args.ttft_ms), "--itl-ms", "20")
+    limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
+    upstream = sim("--ttft-ms", str(args.ttft_ms), "--itl-ms", "20", *limits)
     servers: dict[str, Service | _nginx.Nginx | None] = {"direct": None}
     nginx = contextlib.ExitStack()
     try:
-        servers["tokenpipe"] = gateway(upstream.url)
+        redis = nginx.enter_context(RedisServer()) if args.redis else None
+
+        def shared(prefix: str) -> Path | None:
+            """With --redis, a config whose buckets live in the one redis-server."""
+            if redis is None:
+                return None
+            store = f"{{url: '{redis.url}', key_prefix: {prefix}}}"
+            return config_file(
+                f"c1-redis-{prefix}", f"limits: {{backend: redis, redis: {store}}}\n"
+            )
+
+        servers["tokenpipe"] = gateway(upstream.url, config=shared("tp"))
         if args.base_src:
-            servers["tp-base"] = gateway(upstream.url, src=args.base_src)
+            servers["tp-base"] = gateway(upstream.url, src=args.base_src, config=shared("base"))
         servers["bare relay"] = bare_relay(upstream.url)
         if args.nginx:
             servers["nginx"] = nginx.enter_context(_nginx.proxy(upstream.url))
@@ -289,6 +309,16 @@ def main() -> None:
         metavar="PATH",
         type=src_dir,
         help="add tp-base: tokenpipe run from this src/ directory (another checkout's)",
+    )
+    p.add_argument(
+        "--ratelimit-headers",
+        action="store_true",
+        help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
+    )
+    p.add_argument(
+        "--redis",
+        action="store_true",
+        help="the gateways keep their buckets in a redis-server (limits.backend: redis)",
     )
     p.add_argument("--json", default=str(ROOT / "results" / "c1_anatomy.json"))
     args = p.parse_args()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -81,6 +83,37 @@ async def test_corrections_reach_redis_without_blocking_the_caller(
             await asyncio.sleep(0.01)
     finally:
         await s.close()
+
+
+async def test_a_learned_level_leaves_the_callers_path_and_reaches_every_replica(
+    redis_server: RedisServer,
+) -> None:
+    """Started, a store queues what an answer's headers say, and its flush task sends it:
+    the caller (a request about to read its first token) does not wait on Redis, even on a
+    Redis that hangs, and the level reaches the other replicas once Redis answers."""
+    a = RedisStore(redis_server.url, prefix="t5", timeout=2.0)
+    b = RedisStore(redis_server.url, prefix="t5", timeout=2.0)
+    await a.start()
+    loop = asyncio.get_running_loop()
+    assert redis_server.proc is not None
+    try:
+        first = await a.reserve("up:x", LIMITS, 10)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # a round trip now waits 2 s
+        try:
+            await asyncio.wait_for(a.learn("up:x", LIMITS, 5, 1000, first), 0.5)
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        deadline = loop.time() + 5
+        while True:  # 9,990 tokens left before; 1,000 once learned (reserving 0 takes none)
+            d = await b.reserve("up:x", LIMITS, 0)
+            if d.remaining_tokens is not None and d.remaining_tokens < 2000:
+                break
+            assert loop.time() < deadline, d
+            await asyncio.sleep(0.01)  # polling a condition with a deadline
+        assert a.healthy and math.isclose(d.remaining_tokens, 1000, abs_tol=0.1)
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_when_redis_dies_decisions_fall_back_to_a_local_share_and_return_after(

@@ -23,6 +23,7 @@ import uuid
 from collections import deque
 
 from redis import asyncio as aioredis
+from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from tokenpipe.clock import MONOTONIC, Clock
@@ -37,8 +38,9 @@ log = logging.getLogger("tokenpipe.limits.redis")
 RETRY = 1.0
 #: A replica that sent no heartbeat for this long no longer counts (seconds).
 REPLICA_TTL = 5.0
-#: Corrections waiting to be sent; past this the oldest is dropped (headers correct levels
-#: anyway, so losing one costs a little accuracy, never correctness).
+#: Corrections and learned levels waiting to be sent; past this the oldest is dropped (the
+#: next answer's headers correct levels anyway, so losing one costs a little accuracy,
+#: never correctness).
 MAX_PENDING = 10_000
 #: Connections to Redis per process; a decision that finds none free within the timeout
 #: falls back to the local share.
@@ -228,7 +230,8 @@ class RedisStore:
         self._learn = self.redis.register_script(LEARN)
         self._give = self.redis.register_script(GIVE)
         self._pause = self.redis.register_script(PAUSE)
-        self._pending: deque[tuple[str, list[float]]] = deque(maxlen=MAX_PENDING)
+        #: (script, scope, args): corrections and learned levels, in the order they came.
+        self._pending: deque[tuple[AsyncScript, str, list[str | float]]] = deque(maxlen=MAX_PENDING)
         self._flush_now = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -267,24 +270,31 @@ class RedisStore:
         remaining_tokens: float | None,
         since: Decision | None,
     ) -> None:
+        """Queued once the store is started, and sent with the corrections (`give`) by the
+        flush task: an answer's levels are learned off its first token's path, which waited
+        a round trip to Redis for them. When the script runs does not change what it sets:
+        it counts from `since`, the reservations made after it subtracted in Redis."""
         # Only finite levels go to Redis (the parser bounds them; this is the last gate).
         remaining_requests, remaining_tokens = finite(remaining_requests), finite(remaining_tokens)
         if self.healthy:
+            args: list[str | float] = [
+                *_spec_args(limits),
+                "" if remaining_requests is None else remaining_requests,
+                "" if remaining_tokens is None else remaining_tokens,
+                since.seq_requests if since else 0.0,
+                since.seq_tokens if since else 0.0,
+                since.origin if since else 0,
+            ]
+            if self._tasks:  # started: the flush task sends it
+                self._pending.append((self._learn, scope, args))
+                self._flush_now.set()
+                return
             try:
-                args: list[str | float] = [
-                    *_spec_args(limits),
-                    "" if remaining_requests is None else remaining_requests,
-                    "" if remaining_tokens is None else remaining_tokens,
-                    since.seq_requests if since else 0.0,
-                    since.seq_tokens if since else 0.0,
-                    since.origin if since else 0,
-                ]
                 await self._learn(keys=[self._key(scope)], args=args)
                 return
             except (TimeoutError, RedisError, OSError) as e:
                 self._down(e)
-        if not self.healthy:
-            self.fallback.learn_now(scope, limits, remaining_requests, remaining_tokens, since)
+        self.fallback.learn_now(scope, limits, remaining_requests, remaining_tokens, since)
 
     async def pause(self, scope: str, seconds: float) -> None:
         seconds = min(seconds, MAX_PAUSE) if seconds > 0 else 0.0  # NaN: no pause
@@ -299,7 +309,7 @@ class RedisStore:
         if not self.healthy:
             self.fallback.give(scope, limits, requests, tokens)
             return
-        self._pending.append((scope, [*_spec_args(limits), requests, tokens]))
+        self._pending.append((self._give, scope, [*_spec_args(limits), requests, tokens]))
         self._flush_now.set()
 
     # -- background: corrections, heartbeats, reconnection -------------------------------
@@ -314,8 +324,8 @@ class RedisStore:
                 continue
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for scope, args in batch:
-                        await self._give(keys=[self._key(scope)], args=args, client=pipe)
+                    for script, scope, args in batch:
+                        await script(keys=[self._key(scope)], args=args, client=pipe)
                     await pipe.execute()
             except (TimeoutError, RedisError, OSError) as e:
                 self._down(e)
