@@ -3,8 +3,9 @@
 prometheus_client's Histogram takes a lock and walks its buckets in Python on every observe
 (about 2 us here); the inter-token histogram is observed once per streamed chunk, so that cost
 would be most of the relay's per-token budget. This one counts into a list at a C `bisect`
-index (about 0.3 us) and builds cumulative buckets only when /metrics is scraped. No lock: it is
-only touched from the event loop thread.
+index (about 0.3 us) and builds cumulative buckets only when /metrics is scraped, its lines
+written by `write` (exposition.py says why). No lock: it is only touched from the event loop
+thread.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenpipe.observe import exposition
+
 
 class FastHistogramChild:
-    __slots__ = ("bounds", "counts", "sum")
+    __slots__ = ("bounds", "counts", "labels", "sum")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
+    def __init__(self, bounds: tuple[float, ...], labels: tuple[str, str] = ("", "")) -> None:
         self.bounds = bounds
+        #: Its label text (exposition.label_text): the labels before `le`, those after.
+        self.labels = labels
         self.counts = [0] * (len(bounds) + 1)  # the last slot is +Inf
         self.sum = 0.0
 
@@ -44,21 +49,44 @@ class FastHistogram(Collector):
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self.bounds = tuple(float(b) for b in buckets)
+        self._edges = [*(repr(b) if b != int(b) else f"{b:.1f}" for b in self.bounds), "+Inf"]
         self._children: dict[tuple[str, ...], FastHistogramChild] = {}
+        empty = HistogramMetricFamily(name, documentation, labels=self.labelnames)
+        self._head = exposition.head(empty)
         registry.register(self)
+        exposition.FAMILIES.append(self)
 
     def labels(self, *values: str) -> FastHistogramChild:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = FastHistogramChild(self.bounds)
+            text = exposition.label_text(self.labelnames, values, around="le")
+            child = self._children[values] = FastHistogramChild(self.bounds, text)
         return child
+
+    def write(self, out: list[str]) -> None:
+        out.append(self._head)
+        name, edges, number = self.name, self._edges, exposition.number
+        for child in list(self._children.values()):
+            before, after = child.labels
+            bucket = f"{name}_bucket{{{before}," if before else f"{name}_bucket{{"
+            close = f",{after}}}" if after else "}"
+            running = 0
+            for edge, n in zip(edges, child.counts, strict=True):
+                running += n
+                out.append(f'{bucket}le="{edge}"{close} {number(running)}\n')
+            both = f"{before},{after}" if before and after else before or after
+            tail = f"{{{both}}}" if both else ""
+            out.append(f"{name}_count{tail} {number(running)}\n")
+            out.append(f"{name}_sum{tail} {number(child.sum)}\n")
 
     def describe(self) -> Iterator[Metric]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
     def collect(self) -> Iterator[Metric]:
+        if exposition.WRITING.on:
+            return  # written by `write`
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        edges = [*(repr(b) if b != int(b) else f"{b:.1f}" for b in self.bounds), "+Inf"]
+        edges = self._edges
         for values, child in list(self._children.items()):
             running = 0
             cumulative = []

@@ -9,9 +9,9 @@ from prometheus_client import (
     Counter,
     Gauge,
     disable_created_metrics,
-    generate_latest,
 )
 
+from tokenpipe.observe import exposition
 from tokenpipe.observe.fastcount import FastCounter, FastGauge
 from tokenpipe.observe.fasthist import FastHistogram
 
@@ -204,7 +204,7 @@ def _index_labels() -> None:
 
 
 def render() -> bytes:
-    return generate_latest(REGISTRY)
+    return exposition.render(REGISTRY)
 
 
 # -- context budgeting (tokenpipe.context) ---------------------------------------------------
