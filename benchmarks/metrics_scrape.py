@@ -10,7 +10,9 @@ The scrape runs on the event loop: every stream waits for it, each time Promethe
 (every 15 s by default). Each figure is the median of `--rounds` renders, each in a child
 process (PYTHONPATH=its src) that first fills the series as requests would (TTFT, gaps,
 time per token, duration, a status count, tokens, in flight), then times one `render()`
-(its process CPU). JSON in results/metrics_scrape.json.
+(its process CPU); and, scraped as the gateway scrapes, the longest a task that wants
+every turn of the event loop waits meanwhile (a stream's wait for its next write). JSON in
+results/metrics_scrape.json.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import statistics
 from _common import child_figure, src_targets, write_json
 
 _CHILD = r"""
-import json, sys, time
+import asyncio, json, sys, time
 from tokenpipe.observe import metrics as m
 
 pairs = int(sys.argv[1])
@@ -39,10 +41,38 @@ for u in range(upstreams):
         m.child(m.REQUESTS, "200", *labels).inc()
         m.child(m.INFLIGHT, *labels).inc()
 m.render()  # once: anything made on the first scrape
-t = time.process_time_ns()
-text = m.render()
-took = (time.process_time_ns() - t) / 1e6
-print(json.dumps(text.count(b"\n") if sys.argv[2] == "lines" else took))
+
+
+async def longest_wait():
+    # The longest a task that asks for every turn of the loop waits while a scrape runs.
+    longest, done = 0.0, False
+
+    async def ticker():
+        nonlocal longest
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    if hasattr(m, "render_async"):
+        await m.render_async()
+    else:  # a checkout that renders on the loop in one go
+        m.render()
+    done = True
+    await task
+    return longest * 1e3
+
+
+if sys.argv[2] == "wait":
+    print(json.dumps(asyncio.run(longest_wait())))
+else:
+    t = time.process_time_ns()
+    text = m.render()
+    took = (time.process_time_ns() - t) / 1e6
+    print(json.dumps(text.count(b"\n") if sys.argv[2] == "lines" else took))
 """
 
 
@@ -62,6 +92,7 @@ def main() -> None:
     rows = []
     for pairs in args.pairs:
         ms: dict[str, list[float]] = {name: [] for name in targets}
+        waits: dict[str, list[float]] = {name: [] for name in targets}
         lines = {
             name: child_figure(src, _CHILD, str(pairs), "lines") for name, src in targets.items()
         }
@@ -69,17 +100,27 @@ def main() -> None:
             for name in list(targets)[r % 2 :] + list(targets)[: r % 2]:
                 print(f"  {pairs} pairs, round {r + 1}/{args.rounds}, {name}", flush=True)
                 ms[name].append(child_figure(targets[name], _CHILD, str(pairs), "ms"))
+                waits[name].append(child_figure(targets[name], _CHILD, str(pairs), "wait"))
         for name in targets:
             rows.append(
-                {"pairs": pairs, "target": name, "lines": lines[name], "ms_rounds": ms[name]}
+                {
+                    "pairs": pairs,
+                    "target": name,
+                    "lines": lines[name],
+                    "ms_rounds": ms[name],
+                    "wait_ms_rounds": waits[name],
+                }
             )
-    print(f"\n{'pairs':>6}  {'target':<10} {'lines':>8} {'ms a scrape':>12} {'us a line':>10}")
+    print(
+        f"\n{'pairs':>6}  {'target':<10} {'lines':>8} {'ms a scrape':>11} {'us a line':>9}", end=""
+    )
+    print(f" {'longest wait':>13}")
     for row in rows:
         med = statistics.median(row["ms_rounds"])
         per = med * 1e3 / row["lines"]
-        print(
-            f"{row['pairs']:>6}  {row['target']:<10} {row['lines']:>8.0f} {med:12.1f} {per:10.2f}"
-        )
+        wait = statistics.median(row["wait_ms_rounds"])
+        print(f"{row['pairs']:>6}  {row['target']:<10} {row['lines']:>8.0f} {med:11.1f}", end="")
+        print(f" {per:9.2f} {wait:10.1f} ms")
     write_json(args.json, "metrics_scrape", args, rows=rows)
 
 

@@ -4,6 +4,8 @@ every sample the collectors report can be read back by Prometheus' parser."""
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,7 +41,8 @@ def test_the_families_write_what_generate_latest_writes() -> None:
         count.labels("500", "unused")  # made, never counted: 0.0
         out: list[str] = []
         for family in (hist, count, gauge, bare):
-            family.write(out)
+            for _ in family.write(out):
+                pass
         text = "".join(out)
         assert sorted(text.splitlines()) == sorted(generate_latest(registry).decode().splitlines())
         assert 't_count_total{model="we\\"ird\\\\mo\\ndel",status="200"} 3.0' in text
@@ -74,3 +77,34 @@ def test_metrics_reads_back_every_sample_the_collectors_report() -> None:
         )
         >= 1.0
     )
+
+
+async def test_a_scrape_lets_the_streams_run_between_slices_of_series() -> None:
+    """render_async writes what render writes, and other tasks run while it does: with
+    three slices of series, a task that counts its turns gets at least two before the
+    scrape ends."""
+    registry = CollectorRegistry()
+    hist = FastHistogram("t_slices", "sliced", ("model",), (1.0,), registry)
+    try:
+        for i in range(3 * exposition.SLICE):
+            hist.labels(f"m{i}").observe(0.5)
+        turns = 0
+        done = False
+
+        async def other() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        await asyncio.sleep(0)  # it starts
+        turns = 0
+        text = await exposition.render_async(registry)
+        done = True
+        await task
+        assert turns >= 2
+        assert text == exposition.render(registry)
+        assert text.count(b"t_slices_count{") == 3 * exposition.SLICE
+    finally:
+        exposition.FAMILIES.remove(hist)

@@ -167,7 +167,8 @@ async def _completion(
 
 
 async def metrics_endpoint(request: Request) -> Response:
-    return Response(200, metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+    text = await metrics.render_async()
+    return Response(200, text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def healthz(request: Request) -> Response:

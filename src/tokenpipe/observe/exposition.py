@@ -14,17 +14,24 @@ and finds every sample the collectors report.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Sequence
+from itertools import chain
 from typing import Protocol
 
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
+#: Series a family writes before the event loop may run its streams again (`render_async`):
+#: 256 histogram series are ~4,900 lines, ~3 ms here.
+SLICE = 256
+
 
 class Written(Protocol):
-    def write(self, out: list[str]) -> None:
-        """Appends the family's text: its HELP and TYPE lines, then a line a sample."""
+    def write(self, out: list[str]) -> Iterator[None]:
+        """Appends the family's text (its HELP and TYPE lines, then a line a sample),
+        pausing (a yield) after each SLICE series."""
 
 
 class _Switch:
@@ -80,10 +87,33 @@ def render(registry: object) -> bytes:
     """The registry's text: the hand-written families', then every other collector's."""
     out: list[str] = []
     for family in FAMILIES:
-        family.write(out)
+        for _ in family.write(out):
+            pass
+    return _with_rest([], out, registry)
+
+
+async def render_async(registry: object) -> bytes:
+    """`render`, letting the event loop run between slices of series (SLICE), each slice's
+    lines joined and encoded before it lets go (a whole scrape's text in one join held the
+    loop ~10 ms for 1,000 pairs). A scrape of 1,000 upstream-model pairs is ~40 ms of CPU,
+    and a stream waits a slice for it, ~3 ms, instead. A child made meanwhile is in the next
+    scrape; one counted meanwhile may show the new count in one series and not yet in
+    another, as with any exporter that is not stopped while it is read."""
+    done: list[bytes] = []
+    out: list[str] = []
+    for family in FAMILIES:
+        for _ in chain(family.write(out), (None,)):  # each slice, and the family's end
+            done.append("".join(out).encode())
+            out.clear()
+            await asyncio.sleep(0)
+    return _with_rest(done, out, registry)
+
+
+def _with_rest(done: list[bytes], out: list[str], registry: object) -> bytes:
+    """`done` and `out` (the hand-written text), then every other collector's."""
     WRITING.on = True
     try:
         rest = generate_latest(registry)  # type: ignore[arg-type]
     finally:
         WRITING.on = False
-    return "".join(out).encode() + rest
+    return b"".join([*done, "".join(out).encode(), rest])

@@ -68,11 +68,13 @@ class _Family(Collector):
             child = self._children[values] = FastValue(f"{{{text}}}" if text else "")
         return child
 
-    def write(self, out: list[str]) -> None:
+    def write(self, out: list[str]) -> Iterator[None]:
         out.append(self._head)
         sample, number = self._sample, exposition.number
-        for child in list(self._children.values()):
+        for i, child in enumerate(list(self._children.values()), 1):
             out.append(f"{sample}{child.labels} {number(child.value)}\n")
+            if i % exposition.SLICE == 0:
+                yield
 
     def describe(self) -> Iterator[Metric]:
         yield self.kind(self.name, self.documentation, labels=self.labelnames)

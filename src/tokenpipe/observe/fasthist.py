@@ -63,10 +63,10 @@ class FastHistogram(Collector):
             child = self._children[values] = FastHistogramChild(self.bounds, text)
         return child
 
-    def write(self, out: list[str]) -> None:
+    def write(self, out: list[str]) -> Iterator[None]:
         out.append(self._head)
         name, edges, number = self.name, self._edges, exposition.number
-        for child in list(self._children.values()):
+        for i, child in enumerate(list(self._children.values()), 1):
             before, after = child.labels
             bucket = f"{name}_bucket{{{before}," if before else f"{name}_bucket{{"
             close = f",{after}}}" if after else "}"
@@ -78,6 +78,8 @@ class FastHistogram(Collector):
             tail = f"{{{both}}}" if both else ""
             out.append(f"{name}_count{tail} {number(running)}\n")
             out.append(f"{name}_sum{tail} {number(child.sum)}\n")
+            if i % exposition.SLICE == 0:
+                yield
 
     def describe(self) -> Iterator[Metric]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)

@@ -207,6 +207,11 @@ def render() -> bytes:
     return exposition.render(REGISTRY)
 
 
+async def render_async() -> bytes:
+    """`render`, the event loop running between slices of series (exposition.SLICE)."""
+    return await exposition.render_async(REGISTRY)
+
+
 # -- context budgeting (tokenpipe.context) ---------------------------------------------------
 CONTEXT_COMPRESSED = Counter(
     "tokenpipe_context_compressed",
