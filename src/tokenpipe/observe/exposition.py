@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import Iterator, Sequence
 from itertools import chain
 from typing import Protocol
+from weakref import WeakKeyDictionary
 
 from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
@@ -43,8 +44,13 @@ class _Switch:
 
 
 WRITING = _Switch()
-#: The families whose text is written here, in the order they were made.
-FAMILIES: list[Written] = []
+#: The families whose text is written here, by registry, in the order they were made.
+_FAMILIES: WeakKeyDictionary[object, list[Written]] = WeakKeyDictionary()
+
+
+def add(registry: object, family: Written) -> None:
+    """`family` (registered in `registry`) writes its own text when `registry` is rendered."""
+    _FAMILIES.setdefault(registry, []).append(family)
 
 
 def label_text(names: Sequence[str], values: Sequence[str], around: str = "") -> tuple[str, str]:
@@ -86,7 +92,7 @@ def head(family: Metric) -> str:
 def render(registry: object) -> bytes:
     """The registry's text: the hand-written families', then every other collector's."""
     out: list[str] = []
-    for family in FAMILIES:
+    for family in _FAMILIES.get(registry, ()):
         for _ in family.write(out):
             pass
     return _with_rest([], out, registry)
@@ -101,7 +107,7 @@ async def render_async(registry: object) -> bytes:
     another, as with any exporter that is not stopped while it is read."""
     done: list[bytes] = []
     out: list[str] = []
-    for family in FAMILIES:
+    for family in _FAMILIES.get(registry, ()):
         for _ in chain(family.write(out), (None,)):  # each slice, and the family's end
             done.append("".join(out).encode())
             out.clear()

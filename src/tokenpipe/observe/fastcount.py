@@ -57,7 +57,7 @@ class _Family(Collector):
         # A counter's samples are NAME_total (CounterMetricFamily's name has no suffix).
         self._sample = f"{empty.name}_total" if self.kind is CounterMetricFamily else empty.name
         registry.register(self)
-        exposition.FAMILIES.append(self)
+        exposition.add(registry, self)
 
     def labels(self, *values: str) -> FastValue:
         if len(values) != len(self.labelnames):

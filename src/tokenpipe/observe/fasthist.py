@@ -54,7 +54,7 @@ class FastHistogram(Collector):
         empty = HistogramMetricFamily(name, documentation, labels=self.labelnames)
         self._head = exposition.head(empty)
         registry.register(self)
-        exposition.FAMILIES.append(self)
+        exposition.add(registry, self)
 
     def labels(self, *values: str) -> FastHistogramChild:
         child = self._children.get(values)
