@@ -9,7 +9,8 @@ by side.
 The scrape runs on the event loop: every stream waits for it, each time Prometheus asks
 (every 15 s by default). Each figure is the median of `--rounds` renders, each in a child
 process (PYTHONPATH=its src) that first fills the series as requests would (TTFT, gaps,
-time per token, duration, a status count, tokens, in flight), then times one `render()`
+time per token, duration, a status count, in flight, the three deadlines, the circuit's
+state), then times one `render()`
 (its process CPU); and, scraped as the gateway scrapes, the longest a task that wants
 every turn of the event loop waits meanwhile (a stream's wait for its next write). JSON in
 results/metrics_scrape.json.
@@ -40,6 +41,9 @@ for u in range(upstreams):
         m.child(m.REQUEST_DURATION, *labels).observe(1.0)
         m.child(m.REQUESTS, "200", *labels).inc()
         m.child(m.INFLIGHT, *labels).inc()
+        for kind in ("ttft", "stall", "hedge_delay"):
+            m.child(m.DEADLINE, kind, labels[1], labels[2]).set(2.5)
+    m.UPSTREAM_STATE.labels(f"upstream-{u}").set(0)
 m.render()  # once: anything made on the first scrape
 
 

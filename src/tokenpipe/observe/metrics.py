@@ -282,13 +282,13 @@ HEDGES = Counter(
     ("outcome",),
     registry=REGISTRY,
 )
-DEADLINE = Gauge(
+DEADLINE = FastGauge(  # a series per upstream and model: written by hand (exposition.py)
     "tokenpipe_deadline_seconds",
     "Current adaptive deadline by kind (ttft, stall, hedge_delay), per upstream and model.",
     ("kind", *LABELS),
     registry=REGISTRY,
 )
-UPSTREAM_STATE = Gauge(
+UPSTREAM_STATE = FastGauge(
     "tokenpipe_upstream_state",
     "Circuit breaker state per upstream: 0 closed (in service), 1 half-open (probing), "
     "2 open (out for the cool-down).",
