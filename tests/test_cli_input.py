@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -87,6 +88,17 @@ def test_a_bad_value_is_a_usage_error_naming_its_flag(args: list[str], named: st
     assert result.exit_code == 2, result.output
     assert named in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("command", ["bench", "doctor"])
+def test_a_grpc_url_whose_port_is_a_superscript_is_parsed_not_a_crash(command: str) -> None:
+    """ "²" is a digit to `str.isdigit` and no number to `int` (found by the CLI fuzz test):
+    the port check must not raise on it."""
+    group_ctx = click.Context(main, info_name="tokenpipe")
+    cmd = main.get_command(group_ctx, command)
+    assert cmd is not None
+    ctx = cmd.make_context(command, [URL, "--grpc-url", "h:\u00b2"], parent=group_ctx)
+    assert ctx.params["grpc_url"] == "h:\u00b2"
 
 
 def test_a_header_value_is_never_quoted_back() -> None:

@@ -34,7 +34,9 @@ def _options() -> list[tuple[str, str]]:
 
 OPTIONS = _options()
 texts = (
-    st.sampled_from(["nan", "inf", "-inf", "-1", "0", "1e400", "99999999999", "", "1,,2", " "])
+    st.sampled_from(
+        ["nan", "inf", "-inf", "-1", "0", "1e400", "99999999999", "", "1,,2", " ", "h:\u00b2"]
+    )
     | st.floats(allow_nan=True).map(repr)
     | st.integers(min_value=-(2**70), max_value=2**70).map(str)
     # What argv can hold: no NUL (C strings), and of the surrogates only those that stand

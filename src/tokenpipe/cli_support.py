@@ -149,7 +149,8 @@ def grpc_target(ctx: click.Context, param: click.Parameter, value: str | None) -
     one did (99999 is 34463), and connect somewhere else."""
     if value:
         port = value.rpartition(":")[2]
-        if port.isdigit() and not 0 < int(port) <= 65535:
+        # (ASCII first: "²" is a digit to `isdigit` and not a number to `int`.)
+        if port.isascii() and port.isdigit() and not 0 < int(port) <= 65535:
             raise click.BadParameter(f"port {port} is not in 1-65535", ctx, param)
     return value
 

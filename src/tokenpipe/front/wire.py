@@ -113,7 +113,7 @@ class Request:
     @property
     def content_length(self) -> int | None:
         value = self.headers.get("Content-Length")
-        return int(value) if value is not None and value.isdigit() else None
+        return int(value) if value is not None and value.isascii() and value.isdigit() else None
 
     @property
     def query(self) -> MultiDict[str]:

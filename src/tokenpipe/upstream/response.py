@@ -85,7 +85,7 @@ class UpstreamResponse:
     @property
     def content_length(self) -> int | None:
         value = self.headers.get("content-length")
-        return int(value) if value is not None and value.isdigit() else None
+        return int(value) if value is not None and value.isascii() and value.isdigit() else None
 
     # -- fed by the connection --------------------------------------------------------------
 
