@@ -194,9 +194,7 @@ def gateway(
     `src`: run it from this src/ directory (another checkout's, `src_dir`), first on its
     PYTHONPATH, instead of this venv's; `workers`: `serve --workers` (returns once every
     worker listens)."""
-    if src:
-        path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
-        env = {**(env or {}), "PYTHONPATH": path}
+    env = _from_src(src, env)
     # The later --grpc-port wins over procs.gateway's own "0" (off).
     svc = procs.gateway(
         *(("--config", str(config)) if config else ()),
@@ -227,10 +225,20 @@ def config_file(name: str, config: str) -> Path:
     return path
 
 
-def gateway_with(name: str, config: str) -> Service:
+def _from_src(src: str | None, env: dict[str, str] | None) -> dict[str, str] | None:
+    """`env`, with `src` (another checkout's src/) first on PYTHONPATH when given."""
+    if not src:
+        return env
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    return {**(env or {}), "PYTHONPATH": path}
+
+
+def gateway_with(name: str, config: str, src: str | None = None) -> Service:
     """`tokenpipe serve` with the config `config` (YAML, written to .cache/NAME.yaml) and
-    nothing of the command line's in its way (its upstreams are the config's)."""
-    return procs.gateway("--config", str(config_file(name, config)), "--log-level", "warning")
+    nothing of the command line's in its way (its upstreams are the config's); `src`: run
+    from this src/ directory, as `gateway` does."""
+    path = str(config_file(name, config))
+    return procs.gateway("--config", path, "--log-level", "warning", env=_from_src(src, None))
 
 
 #: tokenpipe with every optional layer off (`--features-off` of relay_cost.py and overhead.py),
@@ -318,12 +326,13 @@ async def one_token_requests(
     api: str = "chat",
     model: str = "sim-model",
     messages: int = 0,
+    api_key: str | None = None,
 ) -> Any:
     """`requests` streamed requests of 1 token each (32-token prompts, ~4.4 bytes a token;
     `api`: chat, responses or messages) to `model` (the sim serves any name) through `svc`,
     `concurrency` at a time: the request path's load. `messages`: each request a
-    `conversation` of that many turns instead of one prompt. Returns the load's result (its
-    `records`)."""
+    `conversation` of that many turns instead of one prompt; `api_key`: sent as its key.
+    Returns the load's result (its `records`)."""
     return await run_load(
         svc.url + "/v1",
         model,
@@ -333,7 +342,16 @@ async def one_token_requests(
         prompt_tokens=prompt_tokens,
         prompts=[conversation(messages)] if messages else None,
         api=api,
+        api_key=api_key,
     )
+
+
+async def cpu_per_request(svc: Service, concurrency: int, requests: int, **shape: Any) -> float:
+    """CPU seconds of `svc` (and its children) a request, over `one_token_requests(svc,
+    concurrency, requests, **shape)`."""
+    before = cpu_seconds(svc.pid)
+    await one_token_requests(svc, concurrency, requests, **shape)
+    return (cpu_seconds(svc.pid) - before) / requests
 
 
 def child_figure(src: str, script: str, *args: str) -> float:

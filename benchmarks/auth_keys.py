@@ -23,9 +23,9 @@ import statistics
 from typing import Any
 
 import aiohttp
-from _common import config_file, cpu_seconds, gateway, write_json
+from _common import config_file, cpu_per_request, cpu_seconds, gateway, write_json
 
-from tokenpipe.bench import procs, run_load
+from tokenpipe.bench import procs
 from tokenpipe.bench.procs import Service
 from tokenpipe.control.auth import digest
 
@@ -34,20 +34,6 @@ def _config(keys: int) -> str:
     lines = ["auth:", "  api_keys:"]
     lines += [f"    - {{name: k{i}, sha256: {digest(f'sk-{i}')}}}" for i in range(keys)]
     return "\n".join(lines) + "\n"
-
-
-async def _served(svc: Service, key: str, requests: int, concurrency: int) -> float:
-    before = cpu_seconds(svc.pid)
-    await run_load(
-        svc.url + "/v1",
-        "sim-model",
-        concurrency=concurrency,
-        requests=requests,
-        max_tokens=1,
-        prompt_tokens=32,
-        api_key=key,
-    )
-    return (cpu_seconds(svc.pid) - before) / requests
 
 
 async def _refused(svc: Service, requests: int, concurrency: int) -> float:
@@ -81,7 +67,7 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for name, src in targets.items()
                 }
                 for svc in gateways.values():  # warm-up
-                    await _served(svc, key, 200, args.concurrency)
+                    await cpu_per_request(svc, args.concurrency, 200, api_key=key)
                     await _refused(svc, 200, args.concurrency)
                 served: dict[str, list[float]] = {name: [] for name in gateways}
                 refused: dict[str, list[float]] = {name: [] for name in gateways}
@@ -90,9 +76,10 @@ async def _bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for name in names:
                         print(f"  {keys} keys, round {r + 1}/{args.rounds}, {name}", flush=True)
                         svc = gateways[name]
-                        served[name].append(
-                            await _served(svc, key, args.requests, args.concurrency) * 1e6
+                        us = await cpu_per_request(
+                            svc, args.concurrency, args.requests, api_key=key
                         )
+                        served[name].append(us * 1e6)
                         refused[name].append(
                             await _refused(svc, args.requests, args.concurrency) * 1e6
                         )

@@ -21,12 +21,11 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-from pathlib import Path
 from typing import Any
 
-from _common import child_figure, config_file, cpu_seconds, src_targets, write_json
+from _common import child_figure, cpu_per_request, gateway_with, src_targets, write_json
 
-from tokenpipe.bench import procs, run_load
+from tokenpipe.bench import procs
 
 _CHILD = r"""
 import asyncio, json, sys, time
@@ -69,40 +68,26 @@ def _config(count: int, per: int, sim_url: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _gateway(config: Path, src: str | None) -> procs.Service:
-    """`tokenpipe serve` with `config`'s upstreams (no --upstream: it would replace them)."""
-    env = {"PYTHONPATH": src} if src else None
-    return procs.gateway("--config", str(config), "--log-level", "warning", env=env)
-
-
-async def _per_request(svc: procs.Service, model: str, requests: int) -> float:
-    before = cpu_seconds(svc.pid)
-    await run_load(
-        svc.url + "/v1", model, concurrency=8, requests=requests, max_tokens=1, prompt_tokens=32
-    )
-    return (cpu_seconds(svc.pid) - before) / requests
-
-
 async def _gateways(
     args: argparse.Namespace, targets: dict[str, str | None]
 ) -> list[dict[str, Any]]:
     rows = []
     with procs.sim("--ttft-ms", "0", "--itl-ms", "0") as sim:
         for count, per in args.shapes:
-            config = config_file(f"router-{count}x{per}", _config(count, per, sim.url))
+            config = _config(count, per, sim.url)
             model = f"m{count - 1}-0"
             with contextlib.ExitStack() as stack:
                 gws = {
-                    name: stack.enter_context(_gateway(config, src))
+                    name: stack.enter_context(gateway_with(f"router-{count}x{per}", config, src))
                     for name, src in targets.items()
                 }
                 for svc in gws.values():
-                    await _per_request(svc, model, 200)  # warm-up
+                    await cpu_per_request(svc, 8, 200, model=model)  # warm-up
                 figures: dict[str, list[float]] = {name: [] for name in gws}
                 for r in range(args.rounds):
                     for name in list(gws)[r % 2 :] + list(gws)[: r % 2]:
                         print(f"  {count}x{per}, round {r + 1}/{args.rounds}, {name}", flush=True)
-                        us = await _per_request(gws[name], model, args.requests) * 1e6
+                        us = await cpu_per_request(gws[name], 8, args.requests, model=model) * 1e6
                         figures[name].append(us)
             for name, values in figures.items():
                 rows.append({"shape": f"{count}x{per}", "target": name, "us_request": values})

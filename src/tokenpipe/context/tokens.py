@@ -259,7 +259,7 @@ def count_messages(
     the messages' `message_text`, when the caller has them (a client resends its whole
     history each turn: each pass over it costs ~0.2 us a message)."""
     if texts is None:
-        return [count_message(counter, m) for m in messages]
+        texts = [message_text(m) for m in messages]
     return [count_message(counter, m, t) for m, t in zip(messages, texts, strict=True)]
 
 
@@ -276,12 +276,10 @@ async def count_messages_off_loop(
 ) -> list[int]:
     """count_messages, in a worker thread when an exact count of this much text would hold
     the event loop (OFF_LOOP_CHARS); an estimate is arithmetic and stays on the loop."""
-    if counter.exact:
-        chars = 0
-        for i, m in enumerate(messages):
-            chars += len(message_text(m) if texts is None else texts[i])
-            if chars > OFF_LOOP_CHARS:
-                return await asyncio.to_thread(count_messages, counter, messages, texts)
+    if texts is None:
+        texts = [message_text(m) for m in messages]
+    if counter.exact and sum(map(len, texts)) > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(count_messages, counter, messages, texts)
     return count_messages(counter, messages, texts)
 
 

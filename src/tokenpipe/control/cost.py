@@ -197,14 +197,8 @@ def of_request(
         prompt = PER_REPLY + PER_MESSAGE * len(messages)
         for m in messages:  # (a loop: sum() of a generator resumes it a message)
             content = m.get("content") if type(m) is dict else None
-            if type(content) is str and len(content) <= EXACT_CHARS:
-                # `estimate_text`, inline: a client resends its whole history each turn.
-                if content:
-                    words = content.count(" ") + 1
-                    if "\n" in content:  # (memchr: ~1/6 of a count; most turns have none)
-                        words += content.count("\n")
-                    chars = (len(content) + 3) // 4
-                    prompt += words if words > chars else chars
+            if type(content) is str:  # (the usual message: one call, a client resends them all)
+                prompt += estimate_text(content)
             elif type(m) is dict:
                 prompt += estimate_text(_content(content))
             else:
