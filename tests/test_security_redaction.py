@@ -152,3 +152,25 @@ def test_a_report_never_holds_the_key_it_was_run_with(
         text = path.read_text()
         assert "--api-key" in text and "x-a:1" in text  # the command is there, masked
         assert key not in text and other not in text
+
+
+def test_the_quick_test_before_the_pattern_never_lets_a_key_through() -> None:
+    """redact() runs the pattern only on texts that hold "key", "bearer" or "k-" case-folded:
+    it gives what the pattern alone gives, for the cases IGNORECASE folds specially."""
+    from tokenpipe.observe.logs import _SECRETS, redact
+
+    texts = [
+        f"Authorization: BEARER {CLIENT_KEY}",
+        f"x-API-KEY: {CLIENT_KEY}",
+        f"api_key={CLIENT_KEY}",
+        f"Api-Key: {CLIENT_KEY}",
+        f"\u212aey: nothing; api\u212aey={CLIENT_KEY}",  # Kelvin sign: K
+        f"\u017fk-{UPSTREAM_KEY[3:]}",  # long s: sk-
+        f"RK-{UPSTREAM_KEY[3:]} Pk-{UPSTREAM_KEY[3:]}",
+        "POST /v1/chat/completions 200 1.2 ms",
+        "",
+    ]
+    for text in texts:
+        assert redact(text) == _SECRETS.sub(lambda m: (m.group(1) or "") + "[redacted]", text)
+    assert redact(texts[-2]) is texts[-2]  # nothing to mask: the pattern did not run
+    assert "[redacted]" in redact(texts[4]) and "[redacted]" in redact(texts[5])

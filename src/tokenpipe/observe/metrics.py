@@ -266,6 +266,14 @@ RECOVERY_RECORD_DROPPED = Counter(
 )
 
 
+LOG_LINES_DROPPED = Counter(
+    "tokenpipe_log_lines_dropped",
+    "Log lines dropped because stderr did not take them and MAX_LINES waited already "
+    "(observe/log_writer.py): the event loop does not wait for a full stderr.",
+    registry=REGISTRY,
+)
+
+
 # -- tail-latency control (router/, control/deadline, budget, breaker) ----------------------
 RETRIES = Counter(
     "tokenpipe_retries",
