@@ -98,17 +98,17 @@ class TokenBucket:
 
     def give(self, n: float) -> None:
         """Returns n units (a reservation that cost less than reserved); n < 0 charges more."""
-        self._level = self._bounded(self._refill() + n)
+        level = self._refill() + n
+        level = level if level < self.capacity else self.capacity
+        self._level = level if level > self._floor else self._floor
 
     def set_level(self, level: float) -> None:
-        """What the upstream says is left (from its headers) replaces our own count."""
-        self._refill()
-        self._level = self._bounded(level)
-
-    def _bounded(self, level: float) -> float:
-        """`level` within [floor, capacity], as max(floor, min(capacity, level)) is."""
+        """What the upstream says is left (from its headers) replaces our own count, within
+        [floor, capacity]. (Not refilled first: the level it would compute is replaced; an
+        upstream's answer sets two levels a request, once its limits are known.)"""
+        self._updated = self.clock.now()
         level = level if level < self.capacity else self.capacity
-        return level if level > self._floor else self._floor
+        self._level = level if level > self._floor else self._floor
 
     def configure(self, rate: float, capacity: float) -> None:
         """New refill rate and depth, learned or configured; the level is kept (clipped)."""

@@ -241,7 +241,7 @@ class Limiter:
         info = ratelimit_headers.parse(headers, self.wall(), names) if names is not None else None
         if info is not None and info.notes:
             _clamp_log.report(self.name, info.notes)
-        if info and self.learn_enabled:
+        if info is not None and info.readings and self.learn_enabled:  # (a pause alone: below)
             requests, tokens = info.requests, info.tokens
             old = self.limits
             learned_r = learned_spec(old.requests, requests)
@@ -319,7 +319,10 @@ class Limiter:
         if d.origin != mine.origin or d.seq_requests >= mine.seq_requests:
             return mine
         before = d.seq_tokens - oldest.tokens
-        return d._replace(seq_requests=d.seq_requests - 1.0, seq_tokens=before)
+        # (Decision(...), not d._replace: that goes through _make and a map over the fields.)
+        return Decision(
+            d.wait, d.seq_requests - 1.0, before, d.remaining_requests, d.remaining_tokens, d.origin
+        )
 
     def release(
         self,
