@@ -92,12 +92,7 @@ class ThreadedHandler(logging.Handler):
                 return
 
     def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self.fd, view) :]
-        except OSError:  # stderr closed: what was left of these lines is lost
-            pass
+        write_all(self.fd, data)
 
     def flush(self) -> None:
         """Waits, at most FLUSH_SECONDS, until every line appended so far is written."""
@@ -111,3 +106,14 @@ class ThreadedHandler(logging.Handler):
         self.flush()
         self._wake.set()
         super().close()
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """`data` written to `fd` whole, by `os.write` (no lock of `sys.stderr`'s buffer held
+    while it waits: the module doc). A closed descriptor loses what was left of it."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        pass

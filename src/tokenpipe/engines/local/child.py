@@ -22,6 +22,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from tokenpipe.observe.log_writer import write_all
+
 _LISTEN = re.compile(rb"listening on (http://\S+)")
 #: How long the child may take to load the model and listen (seconds).
 START_TIMEOUT = 120.0
@@ -78,8 +80,9 @@ def local_engine(
                 found.append(m.group(1).decode())
                 ready.set()
                 continue
-            sys.stderr.write("[local] " + line.decode(errors="replace"))
-            sys.stderr.flush()
+            # By os.write, not sys.stderr: a stderr nobody reads stops this thread alone, not
+            # whatever else writes to sys.stderr (its buffer's lock is not held meanwhile).
+            write_all(2, b"[local] " + line)
         ready.set()  # EOF: the child exited
 
     pumper = threading.Thread(target=pump, name="tokenpipe-local-log", daemon=True)
