@@ -282,11 +282,13 @@ def gateway_under(
     extra: dict[str, str] | None = None,
     timeout: float = 60.0,
     upstream: list[str] | None = None,
+    serve_args: tuple[str, ...] = (),
 ) -> Service:
     """`tokenpipe serve` run from `src` (None: this tree), or the bare relay (src RELAY),
     in front of a sim, behind `prefix` (a profiler's or counter's command, ending with the
     Python to run); `extra`: environment for it; `upstream`: the gateway's arguments naming
-    its upstream (default: `--upstream SIM/v1`, the sim as an OpenAI API)."""
+    its upstream (default: `--upstream SIM/v1`, the sim as an OpenAI API); `serve_args`:
+    more of them, last (a `--log-level` there wins over the default's)."""
     if src in (RELAY, READING_RELAY):
         argv = [*prefix, str(ROOT / "benchmarks" / "bare_relay.py"), "--upstream", sim_url]
         argv += ["--read"] if src == READING_RELAY else []
@@ -295,7 +297,7 @@ def gateway_under(
     env.update(extra or {})
     argv = [*prefix, "-m", "tokenpipe", "serve", "--port", "0", "--grpc-port", "0"]
     argv += upstream if upstream is not None else ["--upstream", sim_url + "/v1"]
-    argv += ["--log-level", "warning", "--drain-grace-seconds", "0"]
+    argv += ["--log-level", "warning", "--drain-grace-seconds", "0", *serve_args]
     return Service(
         argv=argv, env=env if src or extra else None, name="gateway-counted", timeout=timeout
     )

@@ -17,6 +17,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --path "messages via chat"  # a translation
     python benchmarks/request_instructions.py --ratelimit-headers  # answers carry x-ratelimit-*
     python benchmarks/request_instructions.py --messages 30 --model gpt-4o-mini  # a chat's history
+    python benchmarks/request_instructions.py --access-log --no-relay   # a log line a request
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -193,7 +194,10 @@ async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> di
         # PYTHONHASHSEED: the same dict and set layouts in every run and target.
         env = {"PYTHONHASHSEED": "0"}
         upstream = _upstream(kind, sim_url)
-        with gateway_under(sim_url, src, prefix, env, timeout=300, upstream=upstream) as svc:
+        logs = ("--access-log", "--log-level", "info") if args.access_log else ()
+        with gateway_under(
+            sim_url, src, prefix, env, timeout=300, upstream=upstream, serve_args=logs
+        ) as svc:
             counted = Counted(svc, folder)
             shape = {"api": api, "model": args.model, "messages": args.messages}
             await one_token_requests(svc, args.concurrency, args.warmup, **shape)
@@ -333,6 +337,12 @@ def main() -> None:
         "--ratelimit-headers",
         action="store_true",
         help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
+    )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="the gateways log a line a request (serve --access-log, the log thread's "
+        "instructions counted too)",
     )
     p.add_argument("--top", type=int, default=15, help="functions listed (0: none)")
     p.add_argument("--keep", help="keep each target's dumps in a folder under this one")

@@ -5,6 +5,7 @@ output pipe is read only up to its listening line."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -148,3 +149,38 @@ async def test_a_gateway_whose_stderr_nobody_reads_keeps_serving(sim: procs.Serv
             proc.wait()
     access = [x for x in rest.splitlines() if b"tokenpipe.access" in x]
     assert len(access) == requests + 1  # and /metrics
+
+
+_ACCESS_CHILD = r"""
+import logging, sys
+from tokenpipe.observe import logs
+logs.configure("info", sys.argv[1])
+assert logs._direct is not None  # the log thread is set up: access() writes to it directly
+path = "/v1/chat/completions?api_key=sk-abcdefgh12345678"
+fields = {"request_id": "req-1", "method": "POST", "path": path, "status": 200,
+          "duration_ms": 1.234}
+logs.access(f"POST {path} 200 1.2 ms", fields)
+logs.ACCESS.info("%s %s %d %.1f ms", "POST", path, 200, 1.234, extra=fields)  # a record
+"""
+
+
+def test_an_access_line_written_directly_is_the_line_its_record_makes() -> None:
+    """`logs.access` formats the line without a LogRecord: it is the line logging makes of
+    the same record, key masked, in both formats (only the time differs)."""
+    for fmt in ("text", "json"):
+        done = subprocess.run(
+            [sys.executable, "-c", _ACCESS_CHILD, fmt], capture_output=True, check=True
+        )
+        direct, through_logging = done.stderr.decode().splitlines()
+        assert "sk-abcdefgh" not in direct and "[redacted]" in direct
+        if fmt == "json":
+            a, b = json.loads(direct), json.loads(through_logging)
+            assert abs(a.pop("ts") - b.pop("ts")) < 5
+            assert a == b
+            assert a["logger"] == "tokenpipe.access" and a["status"] == 200
+        else:
+            stamp = len("2026-12-07 12:00:00,000")
+            assert direct[stamp:] == through_logging[stamp:]
+            assert direct[stamp:].startswith(" INFO tokenpipe.access: POST ")
+            assert direct.endswith(" [request_id=req-1]")
+            assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}", direct[:stamp])

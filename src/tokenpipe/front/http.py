@@ -41,7 +41,6 @@ REQUEST_TYPES = (
 )
 
 log = logging.getLogger("tokenpipe.front")
-access_log = logging.getLogger("tokenpipe.access")
 
 
 async def dispatch(request: Request) -> Response | StreamResponse:
@@ -231,18 +230,15 @@ def build(
 
 def _access(request: Request, status: int, seconds: float) -> None:
     """One structured record per request on `tokenpipe.access`."""
-    if not access_log.isEnabledFor(logging.INFO):
+    if not logs.ACCESS.isEnabledFor(logging.INFO):
         return
     path = _safe_path(request)
-    access_log.info(
-        "%s %s %d %.1f ms",
-        request.method,
-        path,
-        status,
-        seconds * 1000,
-        extra={
+    method = request.method
+    logs.access(
+        f"{method} {path} {status} {seconds * 1000:.1f} ms",
+        {
             "request_id": request.rid,
-            "method": request.method,
+            "method": method,
             "path": path,
             "status": status,
             "duration_ms": round(seconds * 1000, 3),

@@ -61,6 +61,10 @@ class ThreadedHandler(logging.Handler):
         except Exception:
             self.handleError(record)
             return
+        self.put(line)
+
+    def put(self, line: str) -> None:
+        """A formatted line, for the writer (dropped and counted past `max_lines`)."""
         lines = self._lines
         if len(lines) >= self.max_lines:
             self.dropped += 1
