@@ -188,12 +188,13 @@ def gateway(
     env: dict[str, str] | None = None,
     src: str | None = None,
     workers: int = 1,
+    serve_args: tuple[str, ...] = (),
 ) -> Service:
     """`tokenpipe serve` in front of a sim (base URL without /v1), with its defaults or with
     `config` (its upstreams replaced by the sim); `env`: more of its environment (OTEL_*);
     `src`: run it from this src/ directory (another checkout's, `src_dir`), first on its
     PYTHONPATH, instead of this venv's; `workers`: `serve --workers` (returns once every
-    worker listens)."""
+    worker listens); `serve_args`: more arguments, last (a `--log-level` there wins)."""
     env = _from_src(src, env)
     # The later --grpc-port wins over procs.gateway's own "0" (off).
     svc = procs.gateway(
@@ -205,6 +206,7 @@ def gateway(
         "--log-level",
         "warning",
         *(("--workers", str(workers)) if workers > 1 else ()),
+        *serve_args,
         env=env,
     )
     if workers > 1:  # Service returned on the first worker's line: wait for the others'

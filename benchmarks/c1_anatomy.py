@@ -14,6 +14,7 @@ round trip between two processes (the wake-ups a hop adds).
     python benchmarks/c1_anatomy.py --rounds 10 --slow-phase-ms 0.5   # what runs now and then
     python benchmarks/c1_anatomy.py --idle-poll alternate --rounds 6    # root: see below
     python benchmarks/c1_anatomy.py --redis --ratelimit-headers --ttft-ms 0   # shared limits
+    python benchmarks/c1_anatomy.py --access-log --base-src ../base/src   # a log line a request
 
 The sim sends its head and role chunk at once and the first content token `--ttft-ms`
 later; tokenpipe holds its head until the role chunk is there, so its "head" is the role
@@ -177,9 +178,12 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"c1-redis-{prefix}", f"limits: {{backend: redis, redis: {store}}}\n"
             )
 
-        servers["tokenpipe"] = gateway(upstream.url, config=shared("tp"))
+        logs = ("--access-log", "--log-level", "info") if args.access_log else ()
+        servers["tokenpipe"] = gateway(upstream.url, config=shared("tp"), serve_args=logs)
         if args.base_src:
-            servers["tp-base"] = gateway(upstream.url, src=args.base_src, config=shared("base"))
+            servers["tp-base"] = gateway(
+                upstream.url, src=args.base_src, config=shared("base"), serve_args=logs
+            )
         servers["bare relay"] = bare_relay(upstream.url)
         if args.nginx:
             servers["nginx"] = nginx.enter_context(_nginx.proxy(upstream.url))
@@ -319,6 +323,11 @@ def main() -> None:
         "--redis",
         action="store_true",
         help="the gateways keep their buckets in a redis-server (limits.backend: redis)",
+    )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="the gateways log a line a request (serve --access-log)",
     )
     p.add_argument("--json", default=str(ROOT / "results" / "c1_anatomy.json"))
     args = p.parse_args()
