@@ -8,14 +8,14 @@ line a refusal: ~400 lines fill the pipe.
 
 The line is formatted where it is logged (the request id is read from that task's context;
 and under the GIL a formatting thread would take the same CPU from the loop), appended to a
-deque, and written by `_Writer` with `os.write` on the descriptor itself: no lock of
-`sys.stderr`'s buffer is held while a write waits, so nothing else that prints is stopped
-by it, nor the interpreter's exit.
+deque, and written by a daemon thread (`_run`) with `os.write` on the descriptor itself: no
+lock of `sys.stderr`'s buffer is held while a write waits, so nothing else that prints is
+stopped by it, nor the interpreter's exit.
 
 Bound: MAX_LINES lines waiting (~3 MiB at 300 bytes a line). Past it a line is dropped and
 counted (`tokenpipe_log_lines_dropped_total`), and the next line kept is preceded by one
-that says how many were dropped there. At exit `logging.shutdown` flushes what waits, for at most
-FLUSH_SECONDS (a pipe still full then keeps the rest).
+that says how many were dropped there. At exit `logging.shutdown` flushes what waits, for
+at most FLUSH_SECONDS; what a pipe still full then has not taken is lost.
 """
 
 from __future__ import annotations
