@@ -13,7 +13,8 @@ answers, the request path subtracted), interleaved round by round, one sim for b
 endpoint), `on` (every request sampled, spans batched to an OTLP/HTTP receiver on loopback
 that only counts them, tests/otlp_receiver.py) or `sampled` (the same receiver, 1 request in
 100 sampled: OTEL_TRACES_SAMPLER=traceidratio, OTEL_TRACES_SAMPLER_ARG=0.01). `--base-src`
-adds a gateway run from another checkout's src/ (PYTHONPATH), for before/after in one run.
+adds a gateway run from another checkout's src/ (PYTHONPATH) in each `--tracing` mode, for
+before/after in one run.
 
 The overhead benchmark (`overhead.py`) shows latency and throughput under load; this one says
 where the gateway's CPU goes, which is what sets them once the machine is saturated.
@@ -82,6 +83,7 @@ def _tracing_env(mode: str, receiver: Receiver | None) -> dict[str, str] | None:
 
 #: Target names per --tracing mode.
 TRACED_NAMES = {"off": "tokenpipe", "on": "traced-all", "sampled": "traced-1%"}
+BASE_NAMES = {"off": "tokenpipe-base", "on": "base-traced-all", "sampled": "base-traced-1%"}
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -96,13 +98,14 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         for mode in args.tracing:
             env = _tracing_env(mode, receiver)
             targets[TRACED_NAMES[mode]] = stack.enter_context(gateway(sim.url, env=env))
+            if args.base_src:  # the other checkout in each tracing mode too
+                base_env = {**(env or {}), "PYTHONPATH": args.base_src}
+                name = BASE_NAMES[mode]
+                targets[name] = stack.enter_context(gateway(sim.url, env=base_env))
         targets["bare-relay"] = stack.enter_context(bare_relay(sim.url))
         if args.features_off:
             off = gateway(sim.url, config=features_off_config())
             targets["tokenpipe-off"] = stack.enter_context(off)
-        if args.base_src:
-            base_env = {"PYTHONPATH": args.base_src}
-            targets["tokenpipe-base"] = stack.enter_context(gateway(sim.url, env=base_env))
         for svc in targets.values():  # warm-up: connections, caches, estimators
             await _cpu_per(svc, args.concurrency, args.concurrency * 2, 4)
         per_request: dict[str, list[float]] = {name: [] for name in targets}
