@@ -120,14 +120,19 @@ def _attributes(tag: bytes, attributes: Any) -> bytes:
     if not attributes:
         return b""
     out = []
+    keys, small = _keys, _SMALL
     for k, v in _items(attributes):
+        # (`_field` written out: ~0.3 us an attribute fewer, ~15 attributes a span)
         if type(v) is str:  # (most: written here, no call)
             body = v.encode("utf-8")
             n = len(body)
-            value = b"\x0a" + (_SMALL[n] if n < 0x80 else _varint(n)) + body
+            value = b"\x0a" + (small[n] if n < 0x80 else _varint(n)) + body
         else:
             value = _value(v)
-        out.append(_field(tag, _key(k) + _field(b"\x12", value)))
+        n = len(value)
+        kv = (keys.get(k) or _key(k)) + b"\x12" + (small[n] if n < 0x80 else _varint(n)) + value
+        n = len(kv)
+        out.append(tag + (small[n] if n < 0x80 else _varint(n)) + kv)
     return b"".join(out)
 
 
