@@ -108,16 +108,27 @@ def test_every_order_and_subset_of_a_batch_too(spans: list[ReadableSpan]) -> Non
         assert otlp_spans.encode(batch) == encode_spans(batch).SerializePartialToString()
 
 
-def test_what_it_does_not_write_goes_the_exporters_way() -> None:
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(1 << 64, otlp_spans.Unsupported), ("lone \ud800 surrogate", UnicodeEncodeError)],
+)
+def test_what_it_does_not_write_goes_the_exporters_way(
+    value: object, error: type[Exception]
+) -> None:
+    """Their encoder logs and drops such a value (no int64; no UTF-8), the span kept."""
     provider, memory = _provider({"service.name": "tokenpipe"})
     with provider.get_tracer("t").start_as_current_span("s") as span:
-        span.set_attribute("huge", 1 << 64)  # no int64: their encoder logs and drops it
+        span.set_attribute("odd", value)  # type: ignore[arg-type]
+        span.set_attribute("fine", 1)
     batch = memory.get_finished_spans()
-    with pytest.raises(otlp_spans.Unsupported):
+    with pytest.raises(error):
         otlp_spans.encode(batch)
     theirs = encode_spans(batch)
     assert otlp_spans.request(batch) == theirs
     assert otlp_spans.message(batch) == theirs
+    assert [kv.key for kv in theirs.resource_spans[0].scope_spans[0].spans[0].attributes] == [
+        "fine"
+    ]
     provider.shutdown()
 
 

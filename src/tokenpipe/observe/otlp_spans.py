@@ -11,7 +11,8 @@ each value is written once, into one buffer.
 The bytes are those of `encode_spans(spans).SerializePartialToString()`, field for field in
 the same order (tests/test_otlp_spans.py compares them on real spans). A value this writer
 does not know (an attribute of another type, an int beyond 64 bits) raises `Unsupported`,
-and the caller encodes the batch with the exporters' encoder instead.
+as text UTF-8 cannot hold raises UnicodeEncodeError (a lone surrogate), and the caller
+encodes the batch with the exporters' encoder instead, which drops that value alone.
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def request(spans: Sequence[ReadableSpan]) -> Any:
     the exporters' own message for a batch holding what `encode` does not write."""
     try:
         return Serialized(encode(spans))
-    except Unsupported:
+    except (Unsupported, UnicodeEncodeError):  # (a lone surrogate: theirs drops the value)
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
         return encode_spans(spans)
@@ -252,7 +253,7 @@ def message(spans: Sequence[ReadableSpan]) -> Any:
 
     try:
         return ExportTraceServiceRequest.FromString(encode(spans))
-    except Unsupported:
+    except (Unsupported, UnicodeEncodeError):  # (a lone surrogate: theirs drops the value)
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
         return encode_spans(spans)
