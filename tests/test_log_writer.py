@@ -184,3 +184,17 @@ def test_an_access_line_written_directly_is_the_line_its_record_makes() -> None:
             assert direct[stamp:].startswith(" INFO tokenpipe.access: POST ")
             assert direct.endswith(" [request_id=req-1]")
             assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}", direct[:stamp])
+
+
+def test_an_access_line_that_cannot_be_made_does_not_fail_the_request() -> None:
+    """JSON cannot hold a lone surrogate: the line goes logging's way, whose handleError
+    reports it, and `access` returns as for any other line."""
+    child = (
+        "import sys\nfrom tokenpipe.observe import logs\nlogs.configure('info', 'json')\n"
+        "logs.access('bad', {'path': '\\ud800'})\nlogs.access('good', {'path': '/'})\n"
+        "print('returned', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, check=True)
+    assert done.stdout == b"returned\n"
+    assert b"Logging error" in done.stderr  # reported, not raised
+    assert b'"message":"good"' in done.stderr

@@ -142,7 +142,12 @@ def access(message: str, fields: dict[str, Any]) -> None:
         ACCESS.info("%s", message, extra=fields)
         return
     handler, line = direct
-    handler.put(line(time.time(), "INFO", ACCESS.name, message, fields.get("request_id"), fields))
+    try:
+        text = line(time.time(), "INFO", ACCESS.name, message, fields.get("request_id"), fields)
+    except Exception:  # (logging's way then: its handleError reports it; the request goes on)
+        ACCESS.info("%s", message, extra=fields)
+        return
+    handler.put(text)
 
 
 #: Set by configure() so that processes spawned from this one (serve --workers) log alike.
