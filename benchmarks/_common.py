@@ -181,6 +181,10 @@ def src_dir(text: str) -> str:
     return str(path)
 
 
+#: `serve` arguments for a log line a request (after the benchmarks' `--log-level warning`).
+ACCESS_LOG_ARGS = ("--access-log", "--log-level", "info")
+
+
 def gateway(
     sim_url: str,
     grpc_port: int = 0,

@@ -51,6 +51,7 @@ from typing import Any
 
 import _nginx
 from _common import (
+    ACCESS_LOG_ARGS,
     CPU_DMA_LATENCY,
     RATELIMIT_HEADERS_SIM,
     ROOT,
@@ -178,7 +179,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"c1-redis-{prefix}", f"limits: {{backend: redis, redis: {store}}}\n"
             )
 
-        logs = ("--access-log", "--log-level", "info") if args.access_log else ()
+        logs = ACCESS_LOG_ARGS if args.access_log else ()
         servers["tokenpipe"] = gateway(upstream.url, config=shared("tp"), serve_args=logs)
         if args.base_src:
             servers["tp-base"] = gateway(

@@ -52,6 +52,7 @@ from statistics import median
 from typing import Any
 
 from _common import (
+    ACCESS_LOG_ARGS,
     RATELIMIT_HEADERS_SIM,
     READING_RELAY,
     RELAY,
@@ -194,7 +195,7 @@ async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> di
         # PYTHONHASHSEED: the same dict and set layouts in every run and target.
         env = {"PYTHONHASHSEED": "0"}
         upstream = _upstream(kind, sim_url)
-        logs = ("--access-log", "--log-level", "info") if args.access_log else ()
+        logs = ACCESS_LOG_ARGS if args.access_log else ()
         with gateway_under(
             sim_url, src, prefix, env, timeout=300, upstream=upstream, serve_args=logs
         ) as svc:

@@ -88,15 +88,12 @@ class ThreadedHandler(logging.Handler):
                 batch: list[str] = []
                 while lines and len(batch) < BATCH:
                     batch.append(lines.popleft())
-                self._write(("\n".join(batch) + "\n").encode("utf-8", "backslashreplace"))
+                write_all(self.fd, ("\n".join(batch) + "\n").encode("utf-8", "backslashreplace"))
                 with self._done:
                     self._busy = False
                     self._done.notify_all()
             if self._closing:
                 return
-
-    def _write(self, data: bytes) -> None:
-        write_all(self.fd, data)
 
     def flush(self) -> None:
         """Waits, at most FLUSH_SECONDS, until every line appended so far is written."""
@@ -107,8 +104,7 @@ class ThreadedHandler(logging.Handler):
 
     def close(self) -> None:
         self._closing = True
-        self.flush()
-        self._wake.set()
+        self.flush()  # (which wakes the writer: it drains, sees `_closing` and returns)
         super().close()
 
 

@@ -52,9 +52,8 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         extra = {k: v for k, v in record.__dict__.items() if k not in self._STANDARD}
         exc = self.formatException(record.exc_info) if record.exc_info else None
-        rid = getattr(record, "request_id", None)
         return self.line(
-            record.created, record.levelname, record.name, record.getMessage(), rid, extra, exc
+            record.created, record.levelname, record.name, record.getMessage(), extra, exc
         )
 
     def line(
@@ -63,18 +62,18 @@ class JsonFormatter(logging.Formatter):
         level: str,
         name: str,
         message: str,
-        rid: object,
         extra: dict[str, Any],
         exc: str | None = None,
     ) -> str:
-        """The line of a record of these parts (`access` writes one without a record)."""
+        """The line of a record of these parts, `extra` its fields from `extra=` (its
+        request id among them); `access` writes one without a record."""
         out: dict[str, Any] = {
             "ts": round(created, 6),  # seconds since the epoch
             "level": level.lower(),
             "logger": name,
             "message": redact(message),
         }
-        rid = rid or REQUEST_ID.get()
+        rid = extra.get("request_id") or REQUEST_ID.get()
         if rid:
             out["request_id"] = redact(str(rid))
         # Every field is masked, not only the message: `extra=` carries client text too (the
@@ -108,7 +107,6 @@ class TextFormatter(logging.Formatter):
         level: str,
         name: str,
         message: str,
-        rid: object,
         extra: dict[str, Any],
         exc: str | None = None,
     ) -> str:
@@ -119,7 +117,7 @@ class TextFormatter(logging.Formatter):
             self._stamp = time.strftime(self.default_time_format, self.converter(created))
         ms = int((created - second) * 1000)  # (as LogRecord's msecs: formatTime's ",%03d")
         text = redact(f"{self._stamp},{ms:03d} {level} {name}: {message}")
-        rid = rid or REQUEST_ID.get()
+        rid = extra.get("request_id") or REQUEST_ID.get()
         return f"{text} [request_id={rid}]" if rid else text
 
 
@@ -143,7 +141,7 @@ def access(message: str, fields: dict[str, Any]) -> None:
         return
     handler, line = direct
     try:
-        text = line(time.time(), "INFO", ACCESS.name, message, fields.get("request_id"), fields)
+        text = line(time.time(), "INFO", ACCESS.name, message, fields)
     except Exception:  # (logging's way then: its handleError reports it; the request goes on)
         ACCESS.info("%s", message, extra=fields)
         return

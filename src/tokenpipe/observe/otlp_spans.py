@@ -245,15 +245,11 @@ def request(spans: Sequence[ReadableSpan]) -> Any:
 
 
 def message(spans: Sequence[ReadableSpan]) -> Any:
-    """The OTLP/gRPC exporter's request message: `encode`'s bytes parsed by protobuf's C
-    parser (a small part of what building it field by field costs), or the exporters' own."""
+    """The OTLP/gRPC exporter's request message: `request`'s bytes parsed by protobuf's C
+    parser (a small part of what building it field by field costs), or its message."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
     )
 
-    try:
-        return ExportTraceServiceRequest.FromString(encode(spans))
-    except (Unsupported, UnicodeEncodeError):  # (a lone surrogate: theirs drops the value)
-        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-
-        return encode_spans(spans)
+    out = request(spans)
+    return ExportTraceServiceRequest.FromString(out.data) if isinstance(out, Serialized) else out
