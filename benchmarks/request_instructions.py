@@ -18,6 +18,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --ratelimit-headers  # answers carry x-ratelimit-*
     python benchmarks/request_instructions.py --messages 30 --model gpt-4o-mini  # a chat's history
     python benchmarks/request_instructions.py --access-log --no-relay   # a log line a request
+    python benchmarks/request_instructions.py --otlp metrics --no-relay   # GenAI metrics on
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import shutil
 import subprocess
@@ -62,6 +64,9 @@ from _common import (
     write_json,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (--otlp's receiver)
+
+from tests.otlp_receiver import Receiver
 from tokenpipe.bench import procs, run_load
 from tokenpipe.bench.procs import Service
 
@@ -183,7 +188,18 @@ def _upstream(kind: str, sim_url: str) -> list[str]:
     return ["--upstream", sim_url + "/v1"]
 
 
-async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> dict[str, Any]:
+#: The gateways' environment per `--otlp`: where the OTLP/HTTP receiver is named ({url}).
+OTLP_ENV = {
+    "off": {},
+    "metrics": {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "{url}/v1/metrics"},
+    "traces": {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "{url}/v1/traces"},
+    "both": {"OTEL_EXPORTER_OTLP_ENDPOINT": "{url}"},
+}
+
+
+async def _target(
+    sim_url: str, src: str | None, args: argparse.Namespace, otlp: dict[str, str]
+) -> dict[str, Any]:
     api, kind = PATHS[args.path]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -193,7 +209,7 @@ async def _target(sim_url: str, src: str | None, args: argparse.Namespace) -> di
         prefix = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
         prefix += [f"--callgrind-out-file={folder / 'cg.out'}", sys.executable]
         # PYTHONHASHSEED: the same dict and set layouts in every run and target.
-        env = {"PYTHONHASHSEED": "0"}
+        env = {"PYTHONHASHSEED": "0", **(otlp if src not in (RELAY, READING_RELAY) else {})}
         upstream = _upstream(kind, sim_url)
         logs = ACCESS_LOG_ARGS if args.access_log else ()
         with gateway_under(
@@ -247,10 +263,17 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets += [(READING_RELAY, READING_RELAY)] if args.reading_relay else []
     results: dict[str, Any] = {}
     limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
-    with procs.sim("--ttft-ms", "0", "--itl-ms", str(args.itl_ms), *limits) as sim:
+    with contextlib.ExitStack() as stack:
+        sim = stack.enter_context(
+            procs.sim("--ttft-ms", "0", "--itl-ms", str(args.itl_ms), *limits)
+        )
+        otlp: dict[str, str] = {}
+        if args.otlp != "off":
+            url = stack.enter_context(Receiver()).http_url
+            otlp = {k: v.format(url=url) for k, v in OTLP_ENV[args.otlp].items()}
         for name, src in targets:
             print(f"  {name}", flush=True)
-            results[name] = await _target(sim.url, src, args)
+            results[name] = await _target(sim.url, src, args, otlp)
     return results
 
 
@@ -344,6 +367,13 @@ def main() -> None:
         action="store_true",
         help="the gateways log a line a request (serve --access-log, the log thread's "
         "instructions counted too)",
+    )
+    p.add_argument(
+        "--otlp",
+        choices=list(OTLP_ENV),
+        default="off",
+        help="the gateways export to an OTLP/HTTP receiver on loopback: the GenAI metrics, "
+        "every request's spans, or both (the export threads' instructions counted too)",
     )
     p.add_argument("--top", type=int, default=15, help="functions listed (0: none)")
     p.add_argument("--keep", help="keep each target's dumps in a folder under this one")

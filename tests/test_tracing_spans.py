@@ -280,8 +280,20 @@ async def test_the_genai_metrics_go_out_over_otlp_when_a_metrics_endpoint_is_set
             KEY_ENV: UPSTREAM_KEY,
         }
         with procs.gateway("--config", cfg, env=env) as gw:
-            for _ in range(3):
-                await _secret_request(gw.url)
+            sent = [await _secret_request(gw.url) for _ in range(3)]
+            # Without a client's traceparent: none goes upstream.
+            r = await post_stream(
+                gw.url + "/v1/chat/completions",
+                {
+                    "model": "sim-model",
+                    "stream": True,
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+                headers=AUTH,
+            )
+            assert r.status == 200 and r.done, r.body
+            bare = request_id_of(r.headers)
             # One that fails before any upstream answers: counted too, with its error.
             async with (
                 aiohttp.ClientSession() as s,
@@ -295,11 +307,18 @@ async def test_the_genai_metrics_go_out_over_otlp_when_a_metrics_endpoint_is_set
 
             async def recorded() -> bool:
                 m = receiver.received.metrics
-                return sum(p["_count"] for p in m.get("gen_ai.server.request.duration", ())) >= 4
+                return sum(p["_count"] for p in m.get("gen_ai.server.request.duration", ())) >= 5
 
-            await until(recorded, 15, "gen_ai.server.request.duration of 4 requests")
+            await until(recorded, 15, "gen_ai.server.request.duration of 5 requests")
         m = dict(receiver.received.metrics)
     assert not receiver.received.spans  # a metrics endpoint alone: no traces
+    # Nothing traced, the client's trace context goes on upstream unchanged (its own span
+    # as the parent, its sampled flag); a request without one sends none.
+    records = {x["id"]: x["traceparent"] for x in await sim_records(sim)}
+    for trace_id, rid, _ in sent:
+        assert records[rid] is not None and records[rid].startswith(f"00-{trace_id}-")
+        assert records[rid].endswith("-01")
+    assert records[bare] is None
     for name in (
         "gen_ai.server.time_to_first_token",
         "gen_ai.server.time_per_output_token",

@@ -103,6 +103,8 @@ async def dispatch(request: Request) -> Response | StreamResponse:
 def _server_span(request: Request, rid: str, template: str | None) -> tracing.RequestTrace:
     """The request's SERVER span, continuing the client's traceparent, named as the HTTP
     conventions say (the route's template; the method alone for an unknown route)."""
+    if tracing.COUNTED is not None:  # the GenAI metrics alone: no span, no attributes
+        return tracing.COUNTED(request.headers)
     attributes = {
         "http.request.method": request.method,
         "url.path": _safe_path(request),

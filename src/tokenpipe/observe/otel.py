@@ -7,9 +7,10 @@ endpoint with `OTEL_METRICS_EXPORTER=otlp` (Prometheus is the gateway's own metr
 metrics are asked for). `OTEL_EXPORTER_OTLP_PROTOCOL` (or the per-signal variable) picks
 `http/protobuf` (the default) or `grpc`; `OTEL_SERVICE_NAME` names the service (default
 `tokenpipe`); `OTEL_TRACES_SAMPLER`/`_ARG` sample (default `parentbased_always_on`: a
-client's sampled flag is followed); `OTEL_SDK_DISABLED=true` turns all of it off. Everything
-else (headers, TLS files, timeouts, compression, `OTEL_BSP_*` batching, the metric export
-interval) is read by the SDK and its exporters themselves. Nothing set: nothing is imported
+client's sampled flag is followed); `OTEL_SDK_DISABLED=true` turns all of it off. The metric
+export's interval, timeout and temporality are read by observe/genai_export.py as the SDK's
+reader reads them; everything else (headers, TLS files, timeouts, compression, `OTEL_BSP_*`
+batching) by the SDK and its exporters themselves. Nothing set: nothing is imported
 or started, and the request path's hooks are no-ops (observe/tracing.py).
 """
 
@@ -150,20 +151,23 @@ def _start(traces_to: str, metrics_to: str) -> None:
     else:
         from opentelemetry.trace import NoOpTracer
 
-        tracing.TRACER = NoOpTracer()  # metrics only: requests count, nothing is traced
-    if metrics_to:
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from tokenpipe.observe.counted import CountedTrace
 
-        reader = PeriodicExportingMetricReader(_metric_exporter())
-        meters = MeterProvider(resource=resource, metric_readers=[reader])
-        _providers.append(meters)
-        tracing.METRICS = GenAIMetrics(meters.get_meter("tokenpipe", __version__))
+        tracing.TRACER = NoOpTracer()  # metrics only: requests count, nothing is traced
+        tracing.COUNTED = CountedTrace
+    if metrics_to:
+        from tokenpipe.observe.genai_export import Export
+
+        # Aggregated by tokenpipe, sent by the SDK's exporter (observe/genai.py says why).
+        genai = GenAIMetrics()
+        _providers.append(Export(genai, _metric_exporter(), resource, __version__))
+        tracing.METRICS = genai
 
 
 def shutdown() -> None:
     """Exports what is left (spans batched, the last metric interval) and stops."""
     tracing.TRACER = None
+    tracing.COUNTED = None
     tracing.METRICS = None
     tracing.CAPTURE = False
     while _providers:

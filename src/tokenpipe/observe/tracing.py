@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextvars
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -46,7 +46,11 @@ CAPTURE = False
 #: Characters of captured text per attribute; longer text is cut (and says so).
 MAX_CONTENT = 16 * 1024
 
-_PROPAGATOR = TraceContextTextMapPropagator()
+PROPAGATOR = TraceContextTextMapPropagator()
+clock = time.perf_counter  # a request's duration (s)
+#: The trace a request gets when only the GenAI metrics are on (observe/counted.py, set by
+#: observe/otel.py); None: a span a request (TRACER's).
+COUNTED: Callable[[Mapping[str, str]], RequestTrace] | None = None
 #: `gen_ai.operation.name` by the client's API (the dialect's name).
 OPERATIONS = {
     "chat": "chat",
@@ -110,7 +114,7 @@ class RequestTrace:
         self.finish_reasons: list[str] = []
         self.attempts = 0
         self.waited = 0.0  # seconds in limiter queues, all sends
-        self.started = time.perf_counter()
+        self.started = clock()
         self.finished = False  # `finish` ran (an upstream call was answered)
 
     def _start(self, name: str, kind: SpanKind, attributes: dict[str, Any] | None) -> Span:
@@ -314,7 +318,7 @@ class RequestTrace:
         failed before an upstream answered (a quota's 429, no upstream left) is finished
         here: it counts in the metrics too, its status the `error.type`."""
         if not self.finished and self.model:
-            self.finish(status, time.perf_counter() - self.started, None, None, None, 0, 0)
+            self.finish(status, clock() - self.started, None, None, None, 0, 0)
         if http:
             self.span.set_attribute("http.response.status_code", status)
         if status >= 500:
@@ -391,7 +395,9 @@ CURRENT: contextvars.ContextVar[RequestTrace] = contextvars.ContextVar(
 def serve(name: str, carrier: Mapping[str, str], attributes: dict[str, Any]) -> RequestTrace:
     """Opens a request's SERVER span, continuing the W3C trace context in `carrier` (the
     request's headers or gRPC metadata). Only when TRACER is set."""
+    if COUNTED is not None:
+        return COUNTED(carrier)
     assert TRACER is not None
-    parent = _PROPAGATOR.extract(carrier)
+    parent = PROPAGATOR.extract(carrier)
     span = TRACER.start_span(name, parent, SpanKind.SERVER, attributes)
     return RequestTrace(span, CAPTURE)
