@@ -193,7 +193,7 @@ OTLP_ENV = {
     "off": {},
     "metrics": {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "{url}/v1/metrics"},
     "traces": {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "{url}/v1/traces"},
-    "both": {"OTEL_EXPORTER_OTLP_ENDPOINT": "{url}"},
+    "both": {"OTEL_EXPORTER_OTLP_ENDPOINT": "{url}", "OTEL_METRICS_EXPORTER": "otlp"},
 }
 
 
