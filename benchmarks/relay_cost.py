@@ -6,13 +6,15 @@ answers, the request path subtracted), interleaved round by round, one sim for b
     python benchmarks/relay_cost.py --rounds 5 --concurrency 32
     python benchmarks/relay_cost.py --features-off        # + tokenpipe with its layers off
     python benchmarks/relay_cost.py --tracing off,on,sampled  # one gateway per mode
+    python benchmarks/relay_cost.py --tracing off,metrics    # + the GenAI metrics alone
     python benchmarks/relay_cost.py --base-src ../old/src  # + tokenpipe of another checkout
     python benchmarks/relay_cost.py --ratelimit-headers   # answers carry x-ratelimit-*
 
 `--tracing` (a list) sets each gateway's OpenTelemetry environment: `off` (the default: no
 endpoint), `on` (every request sampled, spans batched to an OTLP/HTTP receiver on loopback
 that only counts them, tests/otlp_receiver.py) or `sampled` (the same receiver, 1 request in
-100 sampled: OTEL_TRACES_SAMPLER=traceidratio, OTEL_TRACES_SAMPLER_ARG=0.01). `--base-src`
+100 sampled: OTEL_TRACES_SAMPLER=traceidratio, OTEL_TRACES_SAMPLER_ARG=0.01) or `metrics`
+(the GenAI metrics alone, OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, no traces). `--base-src`
 adds a gateway run from another checkout's src/ (PYTHONPATH) in each `--tracing` mode, for
 before/after in one run.
 
@@ -74,6 +76,8 @@ SAMPLERS = {
 def _tracing_env(mode: str, receiver: Receiver | None) -> dict[str, str] | None:
     if mode == "off" or receiver is None:
         return None
+    if mode == "metrics":
+        return {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": receiver.http_url + "/v1/metrics"}
     return {
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.http_url,
         "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
@@ -82,8 +86,18 @@ def _tracing_env(mode: str, receiver: Receiver | None) -> dict[str, str] | None:
 
 
 #: Target names per --tracing mode.
-TRACED_NAMES = {"off": "tokenpipe", "on": "traced-all", "sampled": "traced-1%"}
-BASE_NAMES = {"off": "tokenpipe-base", "on": "base-traced-all", "sampled": "base-traced-1%"}
+TRACED_NAMES = {
+    "off": "tokenpipe",
+    "on": "traced-all",
+    "sampled": "traced-1%",
+    "metrics": "metrics-only",
+}
+BASE_NAMES = {
+    "off": "tokenpipe-base",
+    "on": "base-traced-all",
+    "sampled": "base-traced-1%",
+    "metrics": "base-metrics",
+}
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,7 +160,8 @@ def _modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in TRACED_NAMES]
     if bad or not modes:
-        raise argparse.ArgumentTypeError(f"tracing modes are off, on, sampled (got {text!r})")
+        known = ", ".join(TRACED_NAMES)
+        raise argparse.ArgumentTypeError(f"tracing modes are {known} (got {text!r})")
     return list(dict.fromkeys(modes))
 
 
@@ -164,7 +179,8 @@ def main() -> None:
         "--tracing",
         type=_modes,
         default=["off"],
-        help="tokenpipe's OpenTelemetry, a list of off, on (every request), sampled (1 in 100)",
+        help="tokenpipe's OpenTelemetry, a list of off, on (every request), sampled (1 in 100), "
+        "metrics (the GenAI metrics alone)",
     )
     p.add_argument("--base-src", help="add tokenpipe run from this src/ directory (PYTHONPATH)")
     p.add_argument(
