@@ -21,9 +21,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import orjson
 import psutil
 
 from tokenpipe.bench import procs, run_load
+from tokenpipe.bench import prompts as prompts_mod
 from tokenpipe.bench.procs import Service
 from tokenpipe.doctor.profile import py_spy_path
 
@@ -352,6 +355,33 @@ async def one_token_requests(
         api=api,
         api_key=api_key,
     )
+
+
+async def whole_answers(
+    svc: Service, concurrency: int, requests: int, prompt_tokens: int = 32, model: str = "sim-model"
+) -> None:
+    """`requests` non-streamed chat completions of 1 token each (`"stream": false`: the answer
+    in one JSON body; 32-token prompts as `one_token_requests` sends) through `svc`,
+    `concurrency` at a time on keep-alive connections. Raises on an answer that is not 200."""
+    prompts = prompts_mod.synthetic(prompt_tokens, 64)
+    bodies = [
+        orjson.dumps({"model": model, "messages": p, "max_tokens": 1, "stream": False})
+        for p in prompts
+    ]
+    url = svc.url + "/v1/chat/completions"
+    headers = {"Content-Type": "application/json"}
+    left = iter(range(requests))
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def user() -> None:
+            for i in left:
+                async with session.post(url, data=bodies[i % len(bodies)], headers=headers) as r:
+                    body = await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"{r.status} from {url}: {body[:200]!r}")
+
+        await asyncio.gather(*(user() for _ in range(concurrency)))
 
 
 async def cpu_per_request(svc: Service, concurrency: int, requests: int, **shape: Any) -> float:

@@ -19,6 +19,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --messages 30 --model gpt-4o-mini  # a chat's history
     python benchmarks/request_instructions.py --access-log --no-relay   # a log line a request
     python benchmarks/request_instructions.py --otlp metrics --no-relay   # GenAI metrics on
+    python benchmarks/request_instructions.py --whole         # non-streamed answers (chat)
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -61,6 +62,7 @@ from _common import (
     config_file,
     gateway_under,
     one_token_requests,
+    whole_answers,
     write_json,
 )
 
@@ -217,16 +219,26 @@ async def _target(
         ) as svc:
             counted = Counted(svc, folder)
             shape = {"api": api, "model": args.model, "messages": args.messages}
-            await one_token_requests(svc, args.concurrency, args.warmup, **shape)
+            if args.whole:  # non-streamed answers (chat), counted as the streamed ones are
+                shape_whole = {"model": args.model}
+
+                async def load(n: int, prompt: int = 32) -> None:
+                    await whole_answers(svc, args.concurrency, n, prompt, **shape_whole)
+            else:
+
+                async def load(n: int, prompt: int = 32) -> None:
+                    await one_token_requests(svc, args.concurrency, n, prompt, **shape)
+
+            await load(args.warmup)
             await counted.start()
-            await one_token_requests(svc, args.concurrency, args.warmup, **shape)
+            await load(args.warmup)
             await counted.dump()  # the warm-up, dropped
             short: list[float] = []
             long: list[float] = []
             functions: dict[str, tuple[int, str]] = {}
             for r in range(args.rounds):
                 print(f"    round {r + 1}/{args.rounds}", flush=True)
-                await one_token_requests(svc, args.concurrency, args.requests, args.prompt, **shape)
+                await load(args.requests, args.prompt)
                 path = await counted.dump()
                 short.append(_totals(path) / (args.requests + 1))
                 for name, (n, obj) in _by_function(path).items():
@@ -367,6 +379,11 @@ def main() -> None:
         action="store_true",
         help="the gateways log a line a request (serve --access-log, the log thread's "
         "instructions counted too)",
+    )
+    p.add_argument(
+        "--whole",
+        action="store_true",
+        help="the measured requests ask for a whole answer (chat, stream false), not a stream",
     )
     p.add_argument(
         "--otlp",
