@@ -25,16 +25,17 @@ def binary() -> str | None:
     )
 
 
-def record(sim_url: str, max_tokens: int = 1) -> tuple[bytes, bytes]:
+def record(sim_url: str, max_tokens: int = 1, stream: bool = True) -> tuple[bytes, bytes]:
     """(the sim's streamed answer to a chat request as the gateway sends it, usage asked
-    for; its /v1/models), as bytes to replay."""
-    body = {
+    for, or with `stream` False its whole answer; its /v1/models), as bytes to replay."""
+    body: dict[str, object] = {
         "model": "sim-model",
         "messages": [{"role": "user", "content": "hello " * 24}],
         "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": stream,
     }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     req = urllib.request.Request(
         sim_url + "/v1/chat/completions",
         data=json.dumps(body).encode(),
@@ -102,13 +103,15 @@ http {{
 
 
 @contextlib.contextmanager
-def mock_upstream(answer: bytes, models: bytes) -> Iterator[str]:
-    """A one-process nginx on loopback serving `answer` (text/event-stream) to every request
+def mock_upstream(
+    answer: bytes, models: bytes, content_type: str = "text/event-stream"
+) -> Iterator[str]:
+    """A one-process nginx on loopback serving `answer` (`content_type`) to every request
     but `GET /v1/models` (`models`, JSON). Yields its base URL (no /v1)."""
     server = f"""server {{
     listen 127.0.0.1:{{port}};
     location = /v1/models {{ default_type application/json; return 200 {_quoted(models)}; }}
-    location / {{ default_type text/event-stream; return 200 {_quoted(answer)}; }}
+    location / {{ default_type {content_type}; return 200 {_quoted(answer)}; }}
   }}"""
     with _running(server) as n:
         yield n.url

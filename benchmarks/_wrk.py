@@ -17,13 +17,13 @@ from _common import ROOT, cpu_seconds
 PROMPT_BYTES = 143
 
 
-def lua(prompt_bytes: int = PROMPT_BYTES) -> str:
-    """wrk's request: a 1-token streamed chat request for the sim's model whose one message
-    is `prompt_bytes` of words."""
+def lua(prompt_bytes: int = PROMPT_BYTES, stream: bool = True) -> str:
+    """wrk's request: a 1-token chat request for the sim's model whose one message is
+    `prompt_bytes` of words, streamed (or, `stream` False, asking for a whole answer)."""
     prompt = ("hello " * (prompt_bytes // 6 + 1))[:prompt_bytes].strip()
     return f"""wrk.method = "POST"
 wrk.body = '{{"model":"sim-model","messages":[{{"role":"user","content":"{prompt}"}}],\\
-"max_tokens":1,"stream":true}}'
+"max_tokens":1,"stream":{"true" if stream else "false"}}}'
 wrk.headers["Content-Type"] = "application/json"
 """
 
@@ -32,20 +32,25 @@ def available() -> bool:
     return shutil.which("wrk") is not None
 
 
-def script(prompt_bytes: int = PROMPT_BYTES) -> Path:
-    """`lua(prompt_bytes)` in a file under .cache/ (wrk reads its Lua from a file)."""
-    path = ROOT / ".cache" / f"wrk-chat-{prompt_bytes}.lua"
+def script(prompt_bytes: int = PROMPT_BYTES, stream: bool = True) -> Path:
+    """`lua(prompt_bytes, stream)` in a file under .cache/ (wrk reads its Lua from a file)."""
+    path = ROOT / ".cache" / f"wrk-chat-{prompt_bytes}{'' if stream else '-whole'}.lua"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(lua(prompt_bytes))
+    path.write_text(lua(prompt_bytes, stream))
     return path
 
 
 def run(
-    url: str, seconds: float, connections: int, prompt_bytes: int = PROMPT_BYTES
+    url: str,
+    seconds: float,
+    connections: int,
+    prompt_bytes: int = PROMPT_BYTES,
+    stream: bool = True,
 ) -> tuple[int, int]:
-    """(requests answered, non-2xx answers) of one wrk run of `lua(prompt_bytes)` against
-    `url`, one wrk thread holding `connections` keep-alive connections for `seconds`."""
-    lua_file = str(script(prompt_bytes))
+    """(requests answered, non-2xx answers) of one wrk run of `lua(prompt_bytes, stream)`
+    against `url`, one wrk thread holding `connections` keep-alive connections for
+    `seconds`."""
+    lua_file = str(script(prompt_bytes, stream))
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "-s", lua_file, url]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     done = re.search(r"(\d+) requests in", out)
@@ -56,12 +61,17 @@ def run(
 
 
 def measure(
-    pid: int, url: str, seconds: float, connections: int, prompt_bytes: int = PROMPT_BYTES
+    pid: int,
+    url: str,
+    seconds: float,
+    connections: int,
+    prompt_bytes: int = PROMPT_BYTES,
+    stream: bool = True,
 ) -> tuple[float, float, int]:
     """One `run` against the server `pid`: (its CPU microseconds per request, its process
     and children counted; requests/s; non-2xx answers)."""
     before = cpu_seconds(pid)
-    n, bad = run(url, seconds, connections, prompt_bytes)
+    n, bad = run(url, seconds, connections, prompt_bytes, stream)
     return (cpu_seconds(pid) - before) / max(n, 1) * 1e6, n / seconds, bad
 
 

@@ -7,6 +7,7 @@ taken against a loopback mock. The bare aiohttp relay in the same run; rounds in
     python benchmarks/request_cpu.py --rounds 7 --features-off --base-src ../base/src
     python benchmarks/request_cpu.py --nginx             # + nginx as the proxy: a compiled hop
     python benchmarks/request_cpu.py --reading-relay     # + the relay reading what it forwards
+    python benchmarks/request_cpu.py --whole             # non-streamed: one JSON answer
 
 `relay_cost.py` measures the same request with the sim and a Python load generator on the
 same 2 cores. Their CPU crowds the gateway's (caches, wake-ups), so its figures are higher
@@ -16,8 +17,9 @@ gateway with every optional layer off is a target too: the request path's plumbi
 features costs here, the class of the Go and Rust gateways' figures. With `--reading-relay`,
 the bare relay that also decodes the request and each event it forwards (`bare_relay.py
 --read`): the least a Python hop that knows what went through it (usage, the stream's end)
-can cost. The table's "x relay" is the median of each round's ratio, with their range. JSON
-in results/request_cpu.json.
+can cost. With `--whole`, the requests ask for a whole answer (`"stream": false`) and nginx
+replays the sim's JSON one. The table's "x relay" is the median of each round's ratio, with
+their range. JSON in results/request_cpu.json.
 """
 
 from __future__ import annotations
@@ -40,11 +42,15 @@ from tokenpipe.bench.procs import Service
 
 
 def _measure(
-    svc: Service | _nginx.Nginx, seconds: float, connections: int, prompt_bytes: int
+    svc: Service | _nginx.Nginx,
+    seconds: float,
+    connections: int,
+    prompt_bytes: int,
+    stream: bool = True,
 ) -> tuple[float, float]:
     """(CPU microseconds of the serving process per request, requests/s) of one wrk run."""
     url = svc.url + "/v1/chat/completions"
-    cost, rate, bad = _wrk.measure(svc.pid, url, seconds, connections, prompt_bytes)
+    cost, rate, bad = _wrk.measure(svc.pid, url, seconds, connections, prompt_bytes, stream)
     if bad:
         raise RuntimeError(f"{bad} answers were not 2xx")
     return cost, rate
@@ -69,15 +75,20 @@ def main() -> None:
         default=_wrk.PROMPT_BYTES,
         help="the request's one message, in bytes (default ~32 tokens)",
     )
+    p.add_argument(
+        "--whole", action="store_true", help="non-streamed requests and answers (one JSON body)"
+    )
     p.add_argument("--json", default=str(ROOT / "results" / "request_cpu.json"))
     args = p.parse_args()
     if not _wrk.available() or _nginx.binary() is None:
         p.error("needs wrk and nginx (Debian: apt-get install wrk nginx-light)")
     with contextlib.ExitStack() as stack:
         sim = stack.enter_context(Service("sim", "--port", "0", name="sim"))
-        answer, models = _nginx.record(sim.url)
+        stream = not args.whole
+        answer, models = _nginx.record(sim.url, stream=stream)
         sim.stop()  # nothing of it runs beside the targets
-        upstream = stack.enter_context(_nginx.mock_upstream(answer, models))
+        kind = "text/event-stream" if stream else "application/json"
+        upstream = stack.enter_context(_nginx.mock_upstream(answer, models, kind))
         targets: dict[str, Service | _nginx.Nginx] = {
             "tokenpipe": stack.enter_context(gateway(upstream))
         }
@@ -92,20 +103,21 @@ def main() -> None:
         if args.nginx:
             targets["nginx"] = stack.enter_context(_nginx.proxy(upstream))
         for svc in targets.values():  # warm-up: connections, caches, estimators
-            _measure(svc, 2, args.connections, args.prompt_bytes)
+            _measure(svc, 2, args.connections, args.prompt_bytes, stream)
         us: dict[str, list[float]] = {name: [] for name in targets}
         rps: dict[str, list[float]] = {name: [] for name in targets}
         names = list(targets)
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 cost, rate = _measure(
-                    targets[name], args.seconds, args.connections, args.prompt_bytes
+                    targets[name], args.seconds, args.connections, args.prompt_bytes, stream
                 )
                 us[name].append(cost)
                 rps[name].append(rate)
             print(f"  round {r + 1}/{args.rounds}", flush=True)
     print(
-        f"\n1-token chat requests, {args.prompt_bytes}-byte prompt, {len(answer)}-byte answer,"
+        f"\n1-token chat requests{'' if stream else ' (whole answers)'}, "
+        f"{args.prompt_bytes}-byte prompt, {len(answer)}-byte answer,"
         f" wrk {args.connections} conns"
     )
     rows = _wrk.table(us, rps, "bare-relay")
