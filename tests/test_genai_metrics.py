@@ -244,3 +244,41 @@ def test_an_export_interval_not_above_zero_is_refused(
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "0")
     with pytest.raises(ValueError, match="not above 0"):
         Export(GenAIMetrics(), _exporter(receiver, "http/protobuf"), RESOURCE, "test")
+
+
+def test_a_cumulative_export_copies_every_point_batch_by_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(genai, "COPY_BATCH", 2)  # 5 points: batches of 2, 2 and 1
+    ours = GenAIMetrics()
+    for i in range(5):
+        for _ in range(i + 1):
+            ours.record(
+                operation=f"op{i}",
+                provider="openai",
+                model="genai-model",
+                response_model=None,
+                status=500,
+                duration=0.1 * (i + 1),
+                ttft=None,
+                tpot=None,
+                usage=None,
+            )
+    first = dict(next(p for h, p in ours.collect(False) if h is ours.duration))
+    assert {k[0]: p.n for k, p in first.items()} == {f"op{i}": i + 1 for i in range(5)}
+    # Copies: a request recorded after the export leaves them as they were.
+    ours.record(
+        operation="op0",
+        provider="openai",
+        model="genai-model",
+        response_model=None,
+        status=500,
+        duration=0.1,
+        ttft=None,
+        tpot=None,
+        usage=None,
+    )
+    op0 = next(p for k, p in first.items() if k[0] == "op0")
+    assert (op0.n, sum(op0.counts)) == (1, 1)
+    again = dict(next(p for h, p in ours.collect(False) if h is ours.duration))
+    assert next(p for k, p in again.items() if k[0] == "op0").n == 2
