@@ -8,6 +8,7 @@ resolve, shows up here as calls removed.
     python benchmarks/calls_per_request.py --base ../base/src --syscalls
     python benchmarks/calls_per_request.py --ratelimit-headers    # answers carry x-ratelimit-*
     python benchmarks/calls_per_request.py --opcodes --base ../base/src  # ~2 min
+    python benchmarks/calls_per_request.py --opcodes --whole   # non-streamed requests
 
 Each gateway runs under `python -m cProfile` in front of one sim (TTFT 0, no gaps), twice:
 once for the warm-up requests alone and once for the warm-up and `--requests` more; the
@@ -46,6 +47,7 @@ from _common import (
     gateway_under,
     one_token_requests,
     strace_counts,
+    whole_answers,
     write_json,
 )
 
@@ -55,9 +57,12 @@ from tokenpipe.bench.procs import Service
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
-async def _load(svc: Service, requests: int, concurrency: int) -> None:
-    if requests:
-        await one_token_requests(svc, concurrency, requests)
+async def _load(svc: Service, requests: int, args: Any) -> None:
+    """`requests` 1-token requests, streamed (or, with `--whole`, non-streamed)."""
+    if requests and args.whole:
+        await whole_answers(svc, args.concurrency, requests)
+    elif requests:
+        await one_token_requests(svc, args.concurrency, requests)
 
 
 def _name(key: tuple[str, int, str]) -> str:
@@ -75,7 +80,7 @@ async def _profile(sim_url: str, src: str | None, requests: int, args: Any) -> d
         out = f.name
     try:
         with gateway_under(sim_url, src, [sys.executable, "-m", "cProfile", "-o", out]) as gw:
-            await _load(gw, args.warmup + requests, args.concurrency)
+            await _load(gw, args.warmup + requests, args)
         calls: dict[str, int] = {}
         for key, row in pstats.Stats(out).stats.items():  # type: ignore[attr-defined]
             name = _name(key)
@@ -88,9 +93,9 @@ async def _profile(sim_url: str, src: str | None, requests: int, args: Any) -> d
 async def _syscalls(sim_url: str, src: str | None, args: Any) -> dict[str, float]:
     """System calls per request by name, strace -c attached after the warm-up."""
     with gateway_under(sim_url, src, [sys.executable]) as gw:
-        await _load(gw, args.warmup, args.concurrency)
+        await _load(gw, args.warmup, args)
         async with strace_counts(gw.pid) as counts:
-            await _load(gw, args.requests, args.concurrency)
+            await _load(gw, args.requests, args)
     return _per_request(counts, args.requests)
 
 
@@ -100,9 +105,9 @@ async def _opcodes(sim_url: str, src: str | None, args: Any) -> dict[str, float]
         out = os.path.join(tmp, "opcodes.json")
         prefix = [sys.executable, str(ROOT / "benchmarks" / "_opcodes.py")]
         with gateway_under(sim_url, src, prefix, {"TOKENPIPE_OPCODES_OUT": out}) as gw:
-            await _load(gw, args.warmup, args.concurrency)
+            await _load(gw, args.warmup, args)
             gw.proc.send_signal(signal.SIGUSR1)
-            await _load(gw, args.opcode_requests, args.concurrency)
+            await _load(gw, args.opcode_requests, args)
             gw.proc.send_signal(signal.SIGUSR2)
             counts = await asyncio.to_thread(_written, Path(out))
     named: dict[str, float] = {}
@@ -253,6 +258,9 @@ def main() -> None:
     )
     p.add_argument("--opcode-requests", type=int, default=500, help="requests counted (slow)")
     p.add_argument("--relay", action="store_true", help="count the bare aiohttp relay too")
+    p.add_argument(
+        "--whole", action="store_true", help="non-streamed requests (chat, stream false)"
+    )
     p.add_argument(
         "--ratelimit-headers",
         action="store_true",
