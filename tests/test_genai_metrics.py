@@ -67,6 +67,21 @@ def _record(m: GenAIMetrics, r: dict[str, Any]) -> None:
     )
 
 
+def _failed(m: GenAIMetrics, operation: str, duration: float = 0.1) -> None:
+    """A request that failed (500) after `duration` s: a duration point alone."""
+    m.record(
+        operation=operation,
+        provider="openai",
+        model="genai-model",
+        response_model=None,
+        status=500,
+        duration=duration,
+        ttft=None,
+        tpot=None,
+        usage=None,
+    )
+
+
 def _sdk_record(instruments: dict[str, Any], r: dict[str, Any]) -> None:
     """The same request through the SDK's instruments, with the attributes the gateway
     recorded through them before it aggregated them itself."""
@@ -198,17 +213,7 @@ def test_past_max_series_requests_count_in_one_overflow_point(
     monkeypatch.setattr(genai, "MAX_SERIES", 3)
     ours = GenAIMetrics()
     for operation in ("a", "b", "c", "d", "e"):
-        ours.record(
-            operation=operation,
-            provider="openai",
-            model="genai-model",
-            response_model=None,
-            status=500,
-            duration=0.1,
-            ttft=None,
-            tpot=None,
-            usage=None,
-        )
+        _failed(ours, operation)
     points = dict(next(p for h, p in ours.collect(False) if h is ours.duration))
     assert len(points) == 4
     assert points[genai.OVERFLOW].n == 2
@@ -253,31 +258,11 @@ def test_a_cumulative_export_copies_every_point_batch_by_batch(
     ours = GenAIMetrics()
     for i in range(5):
         for _ in range(i + 1):
-            ours.record(
-                operation=f"op{i}",
-                provider="openai",
-                model="genai-model",
-                response_model=None,
-                status=500,
-                duration=0.1 * (i + 1),
-                ttft=None,
-                tpot=None,
-                usage=None,
-            )
+            _failed(ours, f"op{i}", 0.1 * (i + 1))
     first = dict(next(p for h, p in ours.collect(False) if h is ours.duration))
     assert {k[0]: p.n for k, p in first.items()} == {f"op{i}": i + 1 for i in range(5)}
     # Copies: a request recorded after the export leaves them as they were.
-    ours.record(
-        operation="op0",
-        provider="openai",
-        model="genai-model",
-        response_model=None,
-        status=500,
-        duration=0.1,
-        ttft=None,
-        tpot=None,
-        usage=None,
-    )
+    _failed(ours, "op0")
     op0 = next(p for k, p in first.items() if k[0] == "op0")
     assert (op0.n, sum(op0.counts)) == (1, 1)
     again = dict(next(p for h, p in ours.collect(False) if h is ours.duration))

@@ -33,15 +33,7 @@ class CountedTrace(tracing.RequestTrace):
         if "traceparent" in carrier:  # (a case-insensitive mapping, or gRPC's lower-case keys)
             parent = otel.get_current_span(tracing.PROPAGATOR.extract(carrier))
             self._unsampled = NoSpan(header_lines(parent.get_span_context()))
-        self.operation = "chat"
-        self.model = ""
-        self.provider = ""
-        self.response_model: str | None = None
-        self.finish_reasons: list[str] = []
-        self.attempts = 0
-        self.waited = 0.0
-        self.started = tracing.clock()
-        self.finished = False
+        self._begin()
 
     def set(self, key: str, value: Any) -> None:
         pass

@@ -62,6 +62,7 @@ class Export:
         self.scope = InstrumentationScope("tokenpipe", version)
         interval = _millis("OTEL_METRIC_EXPORT_INTERVAL", 60_000.0)
         if not interval > 0:  # (the SDK's reader refuses it too: setup turns OTLP off)
+            exporter.shutdown()  # never used: its connections go now
             raise ValueError(f"the metric export interval {interval:g} ms is not above 0")
         self.interval = interval / 1000  # inf: exported at shutdown only
         self.timeout_ms = _millis("OTEL_METRIC_EXPORT_TIMEOUT", 30_000.0)

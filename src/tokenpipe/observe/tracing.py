@@ -107,6 +107,10 @@ class RequestTrace:
         self._ctx = otel.set_span_in_context(span)
         self._unsampled = NoSpan(header_lines(span.get_span_context()))
         self.capture = capture and self.recording
+        self._begin()
+
+    def _begin(self) -> None:
+        """What the request's end reports (its span's attributes, the GenAI metrics)."""
         self.operation = "chat"
         self.model = ""
         self.provider = ""
