@@ -18,6 +18,7 @@ import yaml
 
 from tests import png, procs
 from tests.otlp_receiver import Receiver, Span
+from tests.polling import until
 from tests.sse_client import post_stream
 from tests.test_bench_html import CHROMIUM, render
 from tests.test_context_gateway import conversation
@@ -269,6 +270,38 @@ async def test_a_grpc_request_gets_a_server_span_continuing_the_calls_traceparen
     (attempt,) = _attempts(spans)
     assert attempt.parent_id == server.span_id
     assert attempt.attributes["tokenpipe.attempt.outcome"] == "answered"
+
+
+async def test_a_grpc_request_with_the_metrics_alone_is_counted_and_passes_its_traceparent_on(
+    sim: procs.Service,
+) -> None:
+    # A metrics endpoint and no traces one: the gRPC front's request makes no span, counts in
+    # the GenAI metrics, and its metadata's traceparent reaches the upstream unchanged.
+    trace_id, client_span, traceparent = client_traceparent()
+    port = _free_port()
+    with Receiver() as receiver:
+        env = {
+            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": receiver.http_url + "/v1/metrics",
+            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
+            "OTEL_METRIC_EXPORT_INTERVAL": "200",
+        }
+        with procs.gateway("--upstream", sim.url + "/v1", "--grpc-port", str(port), env=env) as gw:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = pb_grpc.ChatStub(channel).ChatStream(
+                    _grpc_messages("m1"), metadata=(("traceparent", traceparent),)
+                )
+                kinds = [m.WhichOneof("kind") async for m in call]
+            assert kinds[-1] == "done", kinds
+
+            async def counted() -> bool:
+                points = receiver.received.metrics.get("gen_ai.server.request.duration", ())
+                return any(p["_count"] >= 1 for p in points)
+
+            await until(counted, 15, "the gRPC request in gen_ai.server.request.duration")
+            assert "OpenTelemetry: traces off" in gw.output()
+    assert not receiver.received.spans
+    sent = [x["traceparent"] for x in await sim_records(sim) if x["traceparent"]]
+    assert f"00-{trace_id}-{client_span}-01" in sent
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make setup installs it)")
