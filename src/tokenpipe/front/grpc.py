@@ -210,14 +210,16 @@ class _Session:
         trace = None
         if tracing.TRACER is not None:  # this request's server span (its task's own context)
             trace = tracing.serve(
-                "tokenpipe.v1.Chat/ChatStream",
                 self.metadata,
-                {
-                    "rpc.system": "grpc",
-                    "rpc.service": "tokenpipe.v1.Chat",
-                    "rpc.method": "ChatStream",
-                    "tokenpipe.request_id": request_id,
-                },
+                lambda: (
+                    "tokenpipe.v1.Chat/ChatStream",
+                    {
+                        "rpc.system": "grpc",
+                        "rpc.service": "tokenpipe.v1.Chat",
+                        "rpc.method": "ChatStream",
+                        "tokenpipe.request_id": request_id,
+                    },
+                ),
             )
             tracing.CURRENT.set(trace)
         status = CLIENT_CLOSED

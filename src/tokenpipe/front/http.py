@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from importlib import resources
+from typing import Any
 
 from tokenpipe.control.pacing import pace_gate
 from tokenpipe.dialects import openai_schema as schema
@@ -103,19 +104,20 @@ async def dispatch(request: Request) -> Response | StreamResponse:
 def _server_span(request: Request, rid: str, template: str | None) -> tracing.RequestTrace:
     """The request's SERVER span, continuing the client's traceparent, named as the HTTP
     conventions say (the route's template; the method alone for an unknown route)."""
-    if tracing.COUNTED is not None:  # the GenAI metrics alone: no span, no attributes
-        return tracing.COUNTED(request.headers)
-    attributes = {
-        "http.request.method": request.method,
-        "url.path": _safe_path(request),
-        "url.scheme": "http",
-        "tokenpipe.request_id": rid,
-    }
-    name = request.method
-    if template is not None:
+
+    def span() -> tuple[str, dict[str, Any]]:
+        attributes = {
+            "http.request.method": request.method,
+            "url.path": _safe_path(request),
+            "url.scheme": "http",
+            "tokenpipe.request_id": rid,
+        }
+        if template is None:
+            return request.method, attributes
         attributes["http.route"] = template
-        name = f"{request.method} {template}"
-    return tracing.serve(name, request.headers, attributes)
+        return f"{request.method} {template}", attributes
+
+    return tracing.serve(request.headers, span)
 
 
 def _not_allowed(request: Request, methods: Mapping[str, object]) -> GatewayError:

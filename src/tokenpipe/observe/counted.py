@@ -43,5 +43,4 @@ class CountedTrace(tracing.RequestTrace):
         self.model = model
 
     def close(self, status: int, http: bool = True) -> None:
-        if not self.finished and self.model:
-            self.finish(status, tracing.clock() - self.started, None, None, None, 0, 0)
+        self._settle(status)

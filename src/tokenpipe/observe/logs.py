@@ -73,7 +73,7 @@ class JsonFormatter(logging.Formatter):
             "logger": name,
             "message": redact(message),
         }
-        rid = extra.get("request_id") or REQUEST_ID.get()
+        rid = _request_id(extra)
         if rid:
             out["request_id"] = redact(str(rid))
         # Every field is masked, not only the message: `extra=` carries client text too (the
@@ -84,6 +84,11 @@ class JsonFormatter(logging.Formatter):
         if exc:
             out["exc"] = redact(exc)
         return orjson.dumps(out, default=_redacted_str).decode()
+
+
+def _request_id(extra: dict[str, Any]) -> Any:
+    """A line's request id: its record's (`extra=`), else the serving task's."""
+    return extra.get("request_id") or REQUEST_ID.get()
 
 
 def _redacted_str(value: object) -> str:
@@ -117,7 +122,7 @@ class TextFormatter(logging.Formatter):
             self._stamp = time.strftime(self.default_time_format, self.converter(created))
         ms = int((created - second) * 1000)  # (as LogRecord's msecs: formatTime's ",%03d")
         text = redact(f"{self._stamp},{ms:03d} {level} {name}: {message}")
-        rid = extra.get("request_id") or REQUEST_ID.get()
+        rid = _request_id(extra)
         return f"{text} [request_id={rid}]" if rid else text
 
 

@@ -47,7 +47,6 @@ CAPTURE = False
 MAX_CONTENT = 16 * 1024
 
 PROPAGATOR = TraceContextTextMapPropagator()
-clock = time.perf_counter  # a request's duration (s)
 #: The trace a request gets when only the GenAI metrics are on (observe/counted.py, set by
 #: observe/otel.py); None: a span a request (TRACER's).
 COUNTED: Callable[[Mapping[str, str]], RequestTrace] | None = None
@@ -118,7 +117,7 @@ class RequestTrace:
         self.finish_reasons: list[str] = []
         self.attempts = 0
         self.waited = 0.0  # seconds in limiter queues, all sends
-        self.started = clock()
+        self.started = time.perf_counter()
         self.finished = False  # `finish` ran (an upstream call was answered)
 
     def _start(self, name: str, kind: SpanKind, attributes: dict[str, Any] | None) -> Span:
@@ -318,16 +317,19 @@ class RequestTrace:
             )
 
     def close(self, status: int, http: bool = True) -> None:
-        """Ends the server span with the status the client got (the front's). A request that
-        failed before an upstream answered (a quota's 429, no upstream left) is finished
-        here: it counts in the metrics too, its status the `error.type`."""
-        if not self.finished and self.model:
-            self.finish(status, clock() - self.started, None, None, None, 0, 0)
+        """Ends the server span with the status the client got (the front's)."""
+        self._settle(status)
         if http:
             self.span.set_attribute("http.response.status_code", status)
         if status >= 500:
             self.span.set_status(Status(StatusCode.ERROR))
         self.span.end()
+
+    def _settle(self, status: int) -> None:
+        """A request that failed before an upstream answered (a quota's 429, no upstream
+        left) is finished here: it counts in the metrics too, its status the `error.type`."""
+        if not self.finished and self.model:
+            self.finish(status, time.perf_counter() - self.started, None, None, None, 0, 0)
 
 
 class NoTrace(RequestTrace):
@@ -396,12 +398,16 @@ CURRENT: contextvars.ContextVar[RequestTrace] = contextvars.ContextVar(
 )
 
 
-def serve(name: str, carrier: Mapping[str, str], attributes: dict[str, Any]) -> RequestTrace:
+def serve(
+    carrier: Mapping[str, str], span: Callable[[], tuple[str, dict[str, Any]]]
+) -> RequestTrace:
     """Opens a request's SERVER span, continuing the W3C trace context in `carrier` (the
-    request's headers or gRPC metadata). Only when TRACER is set."""
+    request's headers or gRPC metadata); `span()` gives its name and attributes, asked only
+    when a span is made. Only when TRACER is set; with the GenAI metrics alone, the trace
+    that only counts (COUNTED)."""
     if COUNTED is not None:
         return COUNTED(carrier)
     assert TRACER is not None
+    name, attributes = span()
     parent = PROPAGATOR.extract(carrier)
-    span = TRACER.start_span(name, parent, SpanKind.SERVER, attributes)
-    return RequestTrace(span, CAPTURE)
+    return RequestTrace(TRACER.start_span(name, parent, SpanKind.SERVER, attributes), CAPTURE)
