@@ -10,6 +10,7 @@ import pytest
 
 from tokenpipe.clock import ManualClock
 from tokenpipe.control.aimd import AIMDLimit
+from tokenpipe.control.levels import LEARN_ALL_BELOW, LEARN_EVERY_S
 from tokenpipe.control.limiter import REQUEST_MARGIN, Limiter
 from tokenpipe.control.store import Limits, MemoryStore, Spec
 from tokenpipe.errors import GatewayError
@@ -69,9 +70,9 @@ async def test_headers_teach_an_unconfigured_limiter_the_upstream_bucket() -> No
 
 
 async def test_answers_that_say_the_same_limits_keep_the_learned_limits_and_the_buckets() -> None:
-    """Each answer's headers are learned from, but equal limits keep the one Limits object,
-    so the store does not fit the scope's buckets again on every answer; new limits replace
-    it, and the levels reported are still learned from every answer."""
+    """Equal limits keep the one Limits object, so the store does not fit the scope's
+    buckets again on every answer read; new limits replace it, and the levels reported are
+    still learned (answers LEARN_EVERY_S apart: each is read)."""
     clock = ManualClock()
     store = MemoryStore(clock)
     lim = Limiter("u", store, clock=clock, wall=lambda: 0.0)
@@ -88,11 +89,53 @@ async def test_answers_that_say_the_same_limits_keep_the_learned_limits_and_the_
     await store.reserve(lim.scope, first, 1)
     fitted = store._scopes[lim.scope]
     assert fitted.fitted is first
+    clock.advance(LEARN_EVERY_S)
     await lim.observe(await lim.acquire("k", 1, deadline=1), 200, said("600", "5"))
     assert lim.limits is first and fitted.fitted is first
     assert fitted.requests is not None and fitted.requests.level < 6  # the level was learned
     await lim.observe(await lim.acquire("k", 1, deadline=1), 200, said("1200", "1200"))
     assert lim.limits is not first and lim.limits.requests == Spec(rate=20.0, capacity=1200.0)
+
+
+async def test_a_busy_gateway_reads_the_headers_every_window_and_every_answer_once_low() -> None:
+    """While the level last stated is above LEARN_ALL_BELOW of its bucket, an answer within
+    LEARN_EVERY_S of the last one read is not read (the local bucket holds the level); once a
+    stated level is below it, every answer is; a 429 always is."""
+    clock = ManualClock()
+    store = MemoryStore(clock)
+    lim = Limiter("u", store, clock=clock, wall=lambda: 0.0)
+
+    def said(remaining: int) -> dict[str, str]:
+        return {
+            "x-ratelimit-limit-requests": "6000",  # 100 a second, a bucket 6,000 deep
+            "x-ratelimit-remaining-requests": str(remaining),
+            "x-ratelimit-reset-requests": "10ms",
+        }
+
+    async def answer(remaining: int) -> float:
+        await lim.observe(await lim.acquire("k", 1, deadline=1), 200, said(remaining))
+        bucket = store._scopes[lim.scope].requests
+        assert bucket is not None
+        return bucket.level
+
+    low = int(LEARN_ALL_BELOW * 6000)
+    assert await answer(5999) > 5990  # read: the first answer
+    assert await answer(3000) > 5990  # not read: within the window, the level high
+    clock.advance(LEARN_EVERY_S * 0.99)
+    assert await answer(3000) > 5990  # not yet
+    clock.advance(LEARN_EVERY_S * 0.01)
+    assert abs(await answer(low - 100) - (low - 100)) < 2  # the window over: read
+    assert abs(await answer(low - 200) - (low - 200)) < 2  # low: every answer is read
+    assert abs(await answer(low - 300) - (low - 300)) < 2
+    clock.advance(LEARN_EVERY_S)
+    assert await answer(5999) > 5990  # high again: read, and the window starts again
+    assert await answer(10) > 5980
+    # A 429 within the window is read: its pause holds.
+    permit = await lim.acquire("k", 1, deadline=1)
+    await lim.observe(permit, 429, {**said(0), "retry-after-ms": "1500"})
+    lim.release(permit, 429)
+    assert math.isclose((await store.reserve(lim.scope, lim.limits, 1)).wait, 1.5)
+    await lim.close()
 
 
 async def test_an_upstream_429_pauses_the_upstream_and_shrinks_concurrency() -> None:
@@ -317,7 +360,7 @@ async def test_answers_to_a_flood_arriving_out_of_order_never_learn_more_than_is
     """Ten requests sent together: the upstream answers the first (no headers), then the
     last, which reached it second: its answer says 98 of 100 are left, but the eight others
     are on their way and will be counted. Its answer counts from the oldest request still
-    unanswered (`Limiter._since`), so the level learned is at most the 90 really left
+    unanswered (`levels.counted_from`), so the level learned is at most the 90 really left
     (counted from its own reservation it was 98, and the buckets let through eight requests
     the upstream then refused with 429)."""
     headers = {

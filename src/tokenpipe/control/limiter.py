@@ -21,7 +21,7 @@ limits out of sight: slow start probes them, doubling the limit per round of ans
 hidden quota of 100 is met with ~130 requests in flight, not a whole burst. Not at the
 warm-up's answer (pipeline.py): a private server may have a quota (a proxy, the sim's
 --rpm) that only a request's answer shows. An opened burst is a flood of requests that
-reach the upstream in any order, which learning from headers allows for (`_since`).
+reach the upstream in any order, which learning from headers allows for (control/levels.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenpipe.clock import MONOTONIC, Clock
-from tokenpipe.control import ratelimit_headers
+from tokenpipe.control import levels, ratelimit_headers
 from tokenpipe.control.aimd import AIMDLimit
 from tokenpipe.control.bounds import ClampLog
 from tokenpipe.control.fairqueue import FairQueue, Waiter
@@ -64,9 +64,6 @@ TOKEN_MARGIN = 0.002
 #: Longest the dispatcher sleeps before looking again (seconds): news from headers or a
 #: released permit wake it sooner.
 MAX_NAP = 0.25
-#: Longest a request sent may not have reached the upstream yet (seconds): an answer is
-#: counted from the oldest request still unanswered that was sent within it (`_since`).
-UNCOUNTED_S = 1.0
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -126,6 +123,8 @@ class Limiter:
         #: only; a dict keeps the order: OrderedDict's pop costs ~3x as much). Bound: the
         #: permits in flight; each leaves at its answer or its release.
         self._unanswered: dict[Permit, None] = {}
+        #: Until when a 200's headers are not read (levels.LEARN_EVERY_S; -inf: every answer's).
+        self._learn_at = -math.inf
         self._m_wait = metrics.LIMITER_WAIT.labels(name)
         self._m_429 = metrics.UPSTREAM_429.labels(name)
         self._m_conc = metrics.CONCURRENCY_LIMIT.labels(name)
@@ -236,7 +235,9 @@ class Limiter:
         from this machine or a private network (the module doc: it opens a cold limit)."""
         self._unanswered.pop(permit, None)
         names = (
-            ratelimit_headers.limit_names(headers) if self.learn_enabled or status == 429 else None
+            ratelimit_headers.limit_names(headers)
+            if status == 429 or (self.learn_enabled and self.clock.now() >= self._learn_at)
+            else None
         )
         info = ratelimit_headers.parse(headers, self.wall(), names) if names is not None else None
         if info is not None and info.notes:
@@ -257,6 +258,8 @@ class Limiter:
                 self._remaining("requests").set(rem_r)
             if rem_t is not None:
                 self._remaining("tokens").set(rem_t)
+            now = self.clock.now()
+            self._learn_at = levels.next_reading(self.limits, rem_r, rem_t, now)
             if rem_r is not None or rem_t is not None:
                 # Learned levels sit a little below what the upstream said: the clocks of
                 # replicas, Redis and the upstream differ by milliseconds, and arriving a hair
@@ -266,7 +269,7 @@ class Limiter:
                     rem_r -= REQUEST_MARGIN
                 if rem_t is not None and self.limits.tokens is not None:
                     rem_t -= TOKEN_MARGIN * self.limits.tokens.capacity
-                since = self._since(permit)
+                since = levels.counted_from(self._unanswered, permit, now)
                 await self.store.learn(self.scope, self.limits, rem_r, rem_t, since)
         if status == 200 and self.concurrency is not None and not permit.grew:
             # A success as soon as the upstream accepts (headers), not when the stream ends:
@@ -297,32 +300,6 @@ class Limiter:
         if gauge is None:
             gauge = self._m_remaining[kind] = metrics.RATELIMIT_REMAINING.labels(self.name, kind)
         return gauge
-
-    def _since(self, permit: Permit) -> Decision:
-        """The reservation `permit`'s answer counts from. An upstream's `remaining` counts
-        the requests it had received when it answered; the store subtracts those reserved
-        after this one, which is exact only if the upstream received them in that order.
-        Requests sent together over many connections arrive in any order: the oldest one
-        still unanswered may not have been counted, nor any after it. So the count starts
-        just before it: the level learned is at most what is really left (a few requests
-        under it while they are on their way), never above it, which cost 429s."""
-        pending = self._unanswered
-        cutoff = self.clock.now() - UNCOUNTED_S
-        while pending:
-            oldest = next(iter(pending))
-            if oldest.granted_at >= cutoff:
-                break
-            del pending[oldest]  # long on its way: the upstream has it
-        else:
-            return permit.decision
-        d, mine = oldest.decision, permit.decision
-        if d.origin != mine.origin or d.seq_requests >= mine.seq_requests:
-            return mine
-        before = d.seq_tokens - oldest.tokens
-        # (Decision(...), not d._replace: that goes through _make and a map over the fields.)
-        return Decision(
-            d.wait, d.seq_requests - 1.0, before, d.remaining_requests, d.remaining_tokens, d.origin
-        )
 
     def release(
         self,
