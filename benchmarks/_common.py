@@ -343,8 +343,10 @@ async def one_token_requests(
     `api`: chat, responses or messages) to `model` (the sim serves any name) through `svc`,
     `concurrency` at a time: the request path's load. `messages`: each request a
     `conversation` of that many turns instead of one prompt; `api_key`: sent as its key.
-    Returns the load's result (its `records`)."""
-    return await run_load(
+    Returns the load's result (its `records`). Raises when a request failed: a figure of
+    refused requests (a model the upstream does not list is a 404) is not the request
+    path's."""
+    result = await run_load(
         svc.url + "/v1",
         model,
         concurrency=concurrency,
@@ -355,6 +357,14 @@ async def one_token_requests(
         api=api,
         api_key=api_key,
     )
+    failed = [r for r in result.records if not r.ok]
+    if failed:
+        r = failed[0]
+        raise RuntimeError(
+            f"{len(failed)} of {requests} requests to {svc.url} failed, the first with"
+            f" status {r.status}: {r.error or 'no error text'}"
+        )
+    return result
 
 
 async def whole_answers(

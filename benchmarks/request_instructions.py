@@ -275,9 +275,12 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets += [(READING_RELAY, READING_RELAY)] if args.reading_relay else []
     results: dict[str, Any] = {}
     limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
+    # The gateway routes only the models its upstream lists: the sim lists the measured
+    # model beside its own (the dumps' trigger request).
+    models = ("--model", "sim-model", "--model", args.model) if args.model != "sim-model" else ()
     with contextlib.ExitStack() as stack:
         sim = stack.enter_context(
-            procs.sim("--ttft-ms", "0", "--itl-ms", str(args.itl_ms), *limits)
+            procs.sim("--ttft-ms", "0", "--itl-ms", str(args.itl_ms), *limits, *models)
         )
         otlp: dict[str, str] = {}
         if args.otlp != "off":
