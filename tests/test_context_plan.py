@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.local_app import serving
 from tokenpipe.clock import ManualClock
@@ -287,3 +289,42 @@ def test_byte_bound_is_never_below_the_exact_count() -> None:
     ]
     exact = sum(tokens.count_messages(counter, msgs)) + counter.chat.reply
     assert exact <= tokens.upper_bound(counter, msgs)
+
+
+_TEXT = st.text(max_size=300)
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"])},
+    optional={
+        "content": st.one_of(
+            _TEXT,
+            st.none(),
+            st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}), max_size=3),
+        ),
+        "name": st.one_of(_TEXT, st.none()),
+        "tool_calls": st.lists(
+            st.fixed_dictionaries(
+                {"function": st.fixed_dictionaries({"name": _TEXT, "arguments": _TEXT})}
+            ),
+            max_size=2,
+        ),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    messages=st.lists(_MESSAGE, max_size=12),
+    k=st.floats(tokens.Estimator.K_MIN, tokens.Estimator.K_MAX),
+)
+def test_the_estimates_bound_is_never_below_its_count(
+    messages: list[dict[str, Any]], k: float
+) -> None:
+    """The bound the context budget's fast path trusts (a request far below the window is
+    let through without counting each message) is never below the count it stands for; and
+    a plain message's text, taken without a call, is what `message_text` gives."""
+    est = tokens.Estimator()
+    est.k = k
+    texts = tokens.message_texts(messages)
+    assert texts == [tokens.message_text(m) for m in messages]
+    counted = sum(tokens.count_messages(est, messages, texts)) + est.chat.reply
+    assert counted <= est.upper_bound(messages, texts)

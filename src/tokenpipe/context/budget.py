@@ -196,21 +196,27 @@ class ContextBudget:
         # Tool definitions are rendered into the prompt too; their JSON approximates them.
         tools = obj.get("tools") or obj.get("functions")
         tools_json = dumps_request(tools) if tools else b""
-        texts = [tokens.message_text(m) for m in messages]  # (once: each pass ~0.2 us a message)
-        if counter.exact:
-            # Fast path: most requests are far below the window; bytes bound the tokens.
-            want = max_tokens if max_tokens is not None else self.settings.reserve_output_tokens
+        texts = tokens.message_texts(messages)  # (once: each pass ~0.2 us a message)
+        # Fast paths: most requests are far below the window, and a bound of their tokens,
+        # drawn without a call a message, says so.
+        want = max_tokens if max_tokens is not None else self.settings.reserve_output_tokens
+        if counter.exact:  # bytes bound the tokens
             upper = tokens.upper_bound(counter, messages, texts) + len(tools_json)  # (UTF-8)
             if upper + want + self.settings.margin_tokens <= window:
                 return UNCHANGED
-        costs = await tokens.count_messages_off_loop(counter, messages, texts)
         tools_text = tools_json.decode()  # (here: most requests fit, and need only its size)
-        # Tokens per request outside the messages: the reply's opening and the tools.
-        reply = counter.chat.reply + (counter.count(tools_text) if tools_text else 0)
         chars = sum(map(len, texts)) + len(tools_text)
         calibrate = self._calibration(
             counter, chars, counter.chat.per_message * len(messages) + counter.chat.reply
         )
+        # Tokens per request outside the messages: the reply's opening and the tools.
+        tools = counter.count(tools_text) if tools_text else 0
+        if isinstance(counter, tokens.Estimator):  # the estimate's own bound
+            upper = counter.upper_bound(messages, texts) + tools
+            if window - self._limits(window, counter, upper, policy).margin - upper >= want:
+                return ContextOutcome(calibrate=calibrate)  # as plan.decide's "fits" below
+        costs = await tokens.count_messages_off_loop(counter, messages, texts)
+        reply = counter.chat.reply + tools
         prompt = sum(costs) + reply
         limits = self._limits(window, counter, prompt, policy)
         extra = 0
@@ -268,7 +274,7 @@ class ContextBudget:
         # The upstream will report the tokens of what is sent now, not of what arrived.
         calibrate = self._calibration(
             counter,
-            sum(len(tokens.message_text(m)) for m in new_messages) + len(tools_text),
+            sum(map(len, tokens.message_texts(new_messages))) + len(tools_text),
             counter.chat.per_message * len(new_messages) + counter.chat.reply,
         )
         if room < want:

@@ -197,6 +197,18 @@ class Estimator:
     def count(self, text: str) -> int:
         return math.ceil(len(text) / 4 * self.k)
 
+    def upper_bound(self, messages: list[dict[str, Any]], texts: list[str]) -> int:
+        """At least what `count_messages` gives for `messages` (their `texts`), plus the
+        reply's priming, in C calls and a pass over the messages for their names: each
+        message's count is a ceiling of its characters' share, so their sum is at most the
+        ceiling of all the characters' share plus one a message (a call a message cost ~50
+        bytecodes, ~2,400 a request resending 31 messages)."""
+        fmt = self.chat
+        names = [str(m["name"]) for m in messages if "name" in m]
+        chars = sum(map(len, texts)) + sum(map(len, names))
+        slack = len(messages) * (fmt.per_message + 1) + len(names) * (fmt.per_name + 1)
+        return math.ceil(chars / 4 * self.k) + slack + fmt.reply
+
     def observe(self, chars: int, overhead: int, prompt_tokens: int) -> None:
         """One request's text length (chars), template overhead (tokens) and reported tokens."""
         content = prompt_tokens - overhead
@@ -226,6 +238,15 @@ def message_text(message: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """Each message's `message_text`: a plain one's content itself, with no call (a client
+    resends its whole history each turn)."""
+    return [
+        c if type(c := m.get("content")) is str and "tool_calls" not in m else message_text(m)
+        for m in messages
+    ]
+
+
 def count_message(counter: TokenCounter, message: dict[str, Any], text: str | None = None) -> int:
     """Tokens of a message, its template overhead included; `text`: its `message_text`,
     when the caller has it."""
@@ -244,7 +265,7 @@ def upper_bound(
     fmt = counter.chat
     n = fmt.reply + fmt.per_message * len(messages)
     if texts is None:
-        texts = [message_text(m) for m in messages]
+        texts = message_texts(messages)
     for m, text in zip(messages, texts, strict=True):
         n += len(text.encode())
         if m.get("name"):
@@ -259,7 +280,7 @@ def count_messages(
     the messages' `message_text`, when the caller has them (a client resends its whole
     history each turn: each pass over it costs ~0.2 us a message)."""
     if texts is None:
-        texts = [message_text(m) for m in messages]
+        texts = message_texts(messages)
     return [count_message(counter, m, t) for m, t in zip(messages, texts, strict=True)]
 
 
@@ -277,7 +298,7 @@ async def count_messages_off_loop(
     """count_messages, in a worker thread when an exact count of this much text would hold
     the event loop (OFF_LOOP_CHARS); an estimate is arithmetic and stays on the loop."""
     if texts is None:
-        texts = [message_text(m) for m in messages]
+        texts = message_texts(messages)
     if counter.exact and sum(map(len, texts)) > OFF_LOOP_CHARS:
         return await asyncio.to_thread(count_messages, counter, messages, texts)
     return count_messages(counter, messages, texts)
