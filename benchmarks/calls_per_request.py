@@ -9,6 +9,7 @@ resolve, shows up here as calls removed.
     python benchmarks/calls_per_request.py --ratelimit-headers    # answers carry x-ratelimit-*
     python benchmarks/calls_per_request.py --opcodes --base ../base/src  # ~2 min
     python benchmarks/calls_per_request.py --opcodes --whole   # non-streamed requests
+    python benchmarks/calls_per_request.py --opcodes --messages 30 --model gpt-4o-mini  # a chat
 
 Each gateway runs under `python -m cProfile` in front of one sim (TTFT 0, no gaps), twice:
 once for the warm-up requests alone and once for the warm-up and `--requests` more; the
@@ -62,7 +63,9 @@ async def _load(svc: Service, requests: int, args: Any) -> None:
     if requests and args.whole:
         await whole_answers(svc, args.concurrency, requests)
     elif requests:
-        await one_token_requests(svc, args.concurrency, requests)
+        await one_token_requests(
+            svc, args.concurrency, requests, model=args.model, messages=args.messages
+        )
 
 
 def _name(key: tuple[str, int, str]) -> str:
@@ -140,7 +143,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     per: dict[str, dict[str, float]] = {}
     ops: dict[str, dict[str, float]] = {}
     limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
-    with procs.sim("--ttft-ms", "0", "--itl-ms", "0", *limits) as sim:
+    # The gateway routes only the models its upstream lists.
+    models = ("--model", "sim-model", "--model", args.model) if args.model != "sim-model" else ()
+    with procs.sim("--ttft-ms", "0", "--itl-ms", "0", *limits, *models) as sim:
         for name, src in targets:
             print(f"  {name}: profiling", flush=True)
             warm = await _profile(sim.url, src, 0, args)
@@ -265,6 +270,14 @@ def main() -> None:
         "--ratelimit-headers",
         action="store_true",
         help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
+    )
+    p.add_argument(
+        "--messages", type=int, default=0, help="each request a chat history of this many turns"
+    )
+    p.add_argument(
+        "--model",
+        default="sim-model",
+        help="the requests' model (gpt-4o-mini: a known window, the context budget runs)",
     )
     p.add_argument("--json", default=str(ROOT / "results" / "calls_per_request.json"))
     args = p.parse_args()
