@@ -4,7 +4,6 @@ read. Pure functions of the limiter's state, with the clock's reading passed in.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol, TypeVar
 
 from tokenpipe.control.store import Decision, Limits
@@ -37,14 +36,14 @@ LEARN_ALL_BELOW = 0.25
 
 def next_reading(
     limits: Limits, remaining_requests: float | None, remaining_tokens: float | None, now: float
-) -> float:
+) -> float | None:
     """When the next 200's headers are read, from the levels an answer stated just now:
-    -inf (the next answer's) when none was stated or one is low."""
+    None (the next answer's) when none was stated or one is low."""
     if remaining_requests is None and remaining_tokens is None:
-        return -math.inf
+        return None
     for rem, spec in ((remaining_requests, limits.requests), (remaining_tokens, limits.tokens)):
         if rem is not None and spec is not None and rem < LEARN_ALL_BELOW * spec.capacity:
-            return -math.inf
+            return None
     return now + LEARN_EVERY_S
 
 

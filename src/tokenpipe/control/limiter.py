@@ -123,8 +123,8 @@ class Limiter:
         #: only; a dict keeps the order: OrderedDict's pop costs ~3x as much). Bound: the
         #: permits in flight; each leaves at its answer or its release.
         self._unanswered: dict[Permit, None] = {}
-        #: Until when a 200's headers are not read (levels.LEARN_EVERY_S; -inf: every answer's).
-        self._learn_at = -math.inf
+        #: Until when a 200's headers are not read (levels.LEARN_EVERY_S; None: every answer's).
+        self._learn_at: float | None = None
         self._m_wait = metrics.LIMITER_WAIT.labels(name)
         self._m_429 = metrics.UPSTREAM_429.labels(name)
         self._m_conc = metrics.CONCURRENCY_LIMIT.labels(name)
@@ -236,7 +236,11 @@ class Limiter:
         self._unanswered.pop(permit, None)
         names = (
             ratelimit_headers.limit_names(headers)
-            if status == 429 or (self.learn_enabled and self.clock.now() >= self._learn_at)
+            if status == 429
+            or (
+                self.learn_enabled
+                and (self._learn_at is None or self.clock.now() >= self._learn_at)
+            )
             else None
         )
         info = ratelimit_headers.parse(headers, self.wall(), names) if names is not None else None
