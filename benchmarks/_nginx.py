@@ -66,9 +66,10 @@ class Nginx:
 
 
 @contextlib.contextmanager
-def _running(server_block: str, http_extra: str = "") -> Iterator[Nginx]:
+def _running(server_block: str, http_extra: str = "", scheme: str = "http") -> Iterator[Nginx]:
     """nginx (one process, no daemon) with one `server {...}` listening on a free loopback
-    port, which `server_block` names as `{port}`."""
+    port, which `server_block` names as `{port}` (`scheme`: the URL's, https when the block
+    listens with `ssl`)."""
     exe = binary()
     if exe is None:
         raise RuntimeError("nginx is not installed (Debian: apt-get install nginx-light)")
@@ -97,7 +98,7 @@ http {{
             except RuntimeError:
                 err = proc.stderr.read().decode() if proc.poll() is not None and proc.stderr else ""
                 raise RuntimeError(f"nginx did not start: {err}") from None
-            yield Nginx(f"http://127.0.0.1:{port}", proc.pid)
+            yield Nginx(f"{scheme}://127.0.0.1:{port}", proc.pid)
         finally:
             stop(proc, 5)
 
@@ -115,6 +116,36 @@ def mock_upstream(
   }}"""
     with _running(server) as n:
         yield n.url
+
+
+@contextlib.contextmanager
+def tls_proxy(upstream_url: str) -> Iterator[tuple[Nginx, Path]]:
+    """nginx terminating TLS in front of `upstream_url` (http://host:port), with a
+    certificate for 127.0.0.1 from a throw-away CA (trustme): an https upstream, as every
+    provider's is, for the gateway's side of TLS. Yields the proxy (an https URL) and the
+    CA's certificate, which its clients trust through `SSL_CERT_FILE`. Kept-alive
+    connections both ways; TLS as nginx negotiates it by default (1.3 with OpenSSL 3)."""
+    import trustme  # (a dev dependency: the TLS tests use it too)
+
+    host_port = upstream_url.split("//", 1)[1].rstrip("/")
+    upstream = f"upstream up {{ server {host_port}; keepalive 256; keepalive_requests 10000000; }}"
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1")
+    with tempfile.TemporaryDirectory(prefix="tokenpipe-tls-") as tmp:
+        cert, key, ca_file = (Path(tmp) / name for name in ("cert.pem", "key.pem", "ca.pem"))
+        cert.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+        key.write_bytes(leaf.private_key_pem.bytes())
+        ca.cert_pem.write_to_path(str(ca_file))
+        server = f"""server {{
+    listen 127.0.0.1:{{port}} ssl;
+    ssl_certificate {cert}; ssl_certificate_key {key};
+    location / {{
+      proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_buffering off; proxy_read_timeout 300s;
+    }}
+  }}"""
+        with _running(server, upstream, scheme="https") as n:
+            yield n, ca_file
 
 
 @contextlib.contextmanager

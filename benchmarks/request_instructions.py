@@ -20,6 +20,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --access-log --no-relay   # a log line a request
     python benchmarks/request_instructions.py --otlp metrics --no-relay   # GenAI metrics on
     python benchmarks/request_instructions.py --whole         # non-streamed answers (chat)
+    python benchmarks/request_instructions.py --tls           # an https upstream (nginx, TLS)
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -67,6 +68,8 @@ from _common import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (--otlp's receiver)
+
+import _nginx
 
 from tests.otlp_receiver import Receiver
 from tokenpipe.bench import procs, run_load
@@ -200,7 +203,11 @@ OTLP_ENV = {
 
 
 async def _target(
-    sim_url: str, src: str | None, args: argparse.Namespace, otlp: dict[str, str]
+    sim_url: str,
+    src: str | None,
+    args: argparse.Namespace,
+    otlp: dict[str, str],
+    trust: dict[str, str],
 ) -> dict[str, Any]:
     api, kind = PATHS[args.path]
     with tempfile.TemporaryDirectory() as tmp:
@@ -212,6 +219,7 @@ async def _target(
         prefix += [f"--callgrind-out-file={folder / 'cg.out'}", sys.executable]
         # PYTHONHASHSEED: the same dict and set layouts in every run and target.
         env = {"PYTHONHASHSEED": "0", **(otlp if src not in (RELAY, READING_RELAY) else {})}
+        env.update(trust)  # (--tls: the throw-away CA, for every target)
         upstream = _upstream(kind, sim_url)
         logs = ACCESS_LOG_ARGS if args.access_log else ()
         with gateway_under(
@@ -286,9 +294,13 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.otlp != "off":
             url = stack.enter_context(Receiver()).http_url
             otlp = {k: v.format(url=url) for k, v in OTLP_ENV[args.otlp].items()}
+        upstream_url, trust = sim.url, {}
+        if args.tls:  # the sim behind nginx terminating TLS: an https upstream
+            proxy, ca_file = stack.enter_context(_nginx.tls_proxy(sim.url))
+            upstream_url, trust = proxy.url, {"SSL_CERT_FILE": str(ca_file)}
         for name, src in targets:
             print(f"  {name}", flush=True)
-            results[name] = await _target(sim.url, src, args, otlp)
+            results[name] = await _target(upstream_url, src, args, otlp, trust)
     return results
 
 
@@ -382,6 +394,11 @@ def main() -> None:
         action="store_true",
         help="the gateways log a line a request (serve --access-log, the log thread's "
         "instructions counted too)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="the upstream over https: the sim behind nginx terminating TLS (a throw-away CA)",
     )
     p.add_argument(
         "--whole",
