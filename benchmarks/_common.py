@@ -84,6 +84,13 @@ def pin(pid: int, cpu: int) -> None:
 #: waits), so the gateway learns from every answer.
 RATELIMIT_HEADERS_SIM = ("--rpm", "1e9", "--tpm", "1e12")
 
+
+def sim_models(model: str) -> tuple[str, ...]:
+    """`tokenpipe sim` arguments listing `model` beside its own `sim-model`: the gateway
+    routes only the models its upstream lists (another is a 404)."""
+    return ("--model", "sim-model", "--model", model) if model != "sim-model" else ()
+
+
 #: Linux's PM QoS interface for the CPUs' wake-up latency (root only).
 CPU_DMA_LATENCY = Path("/dev/cpu_dma_latency")
 

@@ -47,6 +47,7 @@ from _common import (
     ROOT,
     gateway_under,
     one_token_requests,
+    sim_models,
     strace_counts,
     whole_answers,
     write_json,
@@ -143,8 +144,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     per: dict[str, dict[str, float]] = {}
     ops: dict[str, dict[str, float]] = {}
     limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
-    # The gateway routes only the models its upstream lists.
-    models = ("--model", "sim-model", "--model", args.model) if args.model != "sim-model" else ()
+    models = sim_models(args.model)
     with procs.sim("--ttft-ms", "0", "--itl-ms", "0", *limits, *models) as sim:
         for name, src in targets:
             print(f"  {name}: profiling", flush=True)

@@ -63,6 +63,7 @@ from _common import (
     config_file,
     gateway_under,
     one_token_requests,
+    sim_models,
     whole_answers,
     write_json,
 )
@@ -283,9 +284,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     targets += [(READING_RELAY, READING_RELAY)] if args.reading_relay else []
     results: dict[str, Any] = {}
     limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
-    # The gateway routes only the models its upstream lists: the sim lists the measured
-    # model beside its own (the dumps' trigger request).
-    models = ("--model", "sim-model", "--model", args.model) if args.model != "sim-model" else ()
+    models = sim_models(args.model)
     with contextlib.ExitStack() as stack:
         sim = stack.enter_context(
             procs.sim("--ttft-ms", "0", "--itl-ms", str(args.itl_ms), *limits, *models)
