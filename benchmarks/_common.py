@@ -241,6 +241,29 @@ def config_file(name: str, config: str) -> Path:
     return path
 
 
+#: The request paths a benchmark's `--path` measures: the API the client speaks and the
+#: gateway's upstream (the sim serves all three APIs; "X via Y": the gateway translates X
+#: onto the sim's Y).
+API_PATHS = {
+    "chat": ("chat", "openai"),
+    "responses": ("responses", "openai"),  # (`responses: auto`: passed on natively)
+    "messages": ("messages", "anthropic"),
+    "messages via chat": ("messages", "openai"),
+    "responses via chat": ("responses", "openai, responses: chat"),
+    "chat via messages": ("chat", "anthropic"),
+}
+
+
+def upstream_args(kind: str, sim_url: str) -> list[str]:
+    """The gateway's arguments naming the sim as an upstream of `kind` (API_PATHS)."""
+    if kind == "anthropic":
+        return ["--upstream", "anthropic+" + sim_url]
+    if kind == "openai, responses: chat":
+        config = f"upstreams:\n  - {{name: sim, url: '{sim_url}/v1', responses: chat}}\n"
+        return ["--config", str(config_file("responses-chat", config))]
+    return ["--upstream", sim_url + "/v1"]
+
+
 def _from_src(src: str | None, env: dict[str, str] | None) -> dict[str, str] | None:
     """`env`, with `src` (another checkout's src/) first on PYTHONPATH when given."""
     if not src:

@@ -10,6 +10,7 @@ resolve, shows up here as calls removed.
     python benchmarks/calls_per_request.py --opcodes --base ../base/src  # ~2 min
     python benchmarks/calls_per_request.py --opcodes --whole   # non-streamed requests
     python benchmarks/calls_per_request.py --opcodes --messages 30 --model gpt-4o-mini  # a chat
+    python benchmarks/calls_per_request.py --opcodes --path "responses via chat"  # a translation
 
 Each gateway runs under `python -m cProfile` in front of one sim (TTFT 0, no gaps), twice:
 once for the warm-up requests alone and once for the warm-up and `--requests` more; the
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
+    API_PATHS,
     RATELIMIT_HEADERS_SIM,
     RELAY,
     ROOT,
@@ -49,6 +51,7 @@ from _common import (
     one_token_requests,
     sim_models,
     strace_counts,
+    upstream_args,
     whole_answers,
     write_json,
 )
@@ -65,8 +68,19 @@ async def _load(svc: Service, requests: int, args: Any) -> None:
         await whole_answers(svc, args.concurrency, requests)
     elif requests:
         await one_token_requests(
-            svc, args.concurrency, requests, model=args.model, messages=args.messages
+            svc,
+            args.concurrency,
+            requests,
+            model=args.model,
+            messages=args.messages,
+            api=API_PATHS[args.path][0],
         )
+
+
+def _gateway(sim_url: str, src: str | None, prefix: list[str], args: Any, **env: str) -> Service:
+    """The target under `prefix`, its upstream the sim as `--path` has it."""
+    upstream = upstream_args(API_PATHS[args.path][1], sim_url)
+    return gateway_under(sim_url, src, prefix, env or None, upstream=upstream)
 
 
 def _name(key: tuple[str, int, str]) -> str:
@@ -83,7 +97,7 @@ async def _profile(sim_url: str, src: str | None, requests: int, args: Any) -> d
     with tempfile.NamedTemporaryFile(suffix=".prof", delete=False) as f:
         out = f.name
     try:
-        with gateway_under(sim_url, src, [sys.executable, "-m", "cProfile", "-o", out]) as gw:
+        with _gateway(sim_url, src, [sys.executable, "-m", "cProfile", "-o", out], args) as gw:
             await _load(gw, args.warmup + requests, args)
         calls: dict[str, int] = {}
         for key, row in pstats.Stats(out).stats.items():  # type: ignore[attr-defined]
@@ -96,7 +110,7 @@ async def _profile(sim_url: str, src: str | None, requests: int, args: Any) -> d
 
 async def _syscalls(sim_url: str, src: str | None, args: Any) -> dict[str, float]:
     """System calls per request by name, strace -c attached after the warm-up."""
-    with gateway_under(sim_url, src, [sys.executable]) as gw:
+    with _gateway(sim_url, src, [sys.executable], args) as gw:
         await _load(gw, args.warmup, args)
         async with strace_counts(gw.pid) as counts:
             await _load(gw, args.requests, args)
@@ -108,7 +122,7 @@ async def _opcodes(sim_url: str, src: str | None, args: Any) -> dict[str, float]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "opcodes.json")
         prefix = [sys.executable, str(ROOT / "benchmarks" / "_opcodes.py")]
-        with gateway_under(sim_url, src, prefix, {"TOKENPIPE_OPCODES_OUT": out}) as gw:
+        with _gateway(sim_url, src, prefix, args, TOKENPIPE_OPCODES_OUT=out) as gw:
             await _load(gw, args.warmup, args)
             gw.proc.send_signal(signal.SIGUSR1)
             await _load(gw, args.opcode_requests, args)
@@ -273,6 +287,12 @@ def main() -> None:
     )
     p.add_argument(
         "--messages", type=int, default=0, help="each request a chat history of this many turns"
+    )
+    p.add_argument(
+        "--path",
+        choices=list(API_PATHS),
+        default="chat",
+        help="the client's API and the upstream's: a native path or a translation",
     )
     p.add_argument(
         "--model",

@@ -57,13 +57,14 @@ from typing import Any
 
 from _common import (
     ACCESS_LOG_ARGS,
+    API_PATHS,
     RATELIMIT_HEADERS_SIM,
     READING_RELAY,
     RELAY,
-    config_file,
     gateway_under,
     one_token_requests,
     sim_models,
+    upstream_args,
     whole_answers,
     write_json,
 )
@@ -99,17 +100,6 @@ KINDS = (
     ("Python-3", "interpreter: the rest"),
     ("libpython", "interpreter: the rest"),
 )
-
-#: The request paths `--path` measures: the API the client speaks and the gateway's upstream
-#: (the sim serves all three APIs; "X via Y": the gateway translates X onto the sim's Y).
-PATHS = {
-    "chat": ("chat", "openai"),
-    "responses": ("responses", "openai"),  # (`responses: auto`: passed on natively)
-    "messages": ("messages", "anthropic"),
-    "messages via chat": ("messages", "openai"),
-    "responses via chat": ("responses", "openai, responses: chat"),
-    "chat via messages": ("chat", "anthropic"),
-}
 
 _ANNOTATED = re.compile(r"^\s*([\d,]+) \([ \d.]+%\)\s+(\S.*?)(?: \[(.+)\])?$")
 
@@ -184,16 +174,6 @@ class Counted:
         return self.folder / f"cg.out.{self.dumps}"
 
 
-def _upstream(kind: str, sim_url: str) -> list[str]:
-    """The gateway's arguments naming the sim as an upstream of `kind` (PATHS)."""
-    if kind == "anthropic":
-        return ["--upstream", "anthropic+" + sim_url]
-    if kind == "openai, responses: chat":
-        config = f"upstreams:\n  - {{name: sim, url: '{sim_url}/v1', responses: chat}}\n"
-        return ["--config", str(config_file("instructions-responses-chat", config))]
-    return ["--upstream", sim_url + "/v1"]
-
-
 #: The gateways' environment per `--otlp`: where the OTLP/HTTP receiver is named ({url}).
 OTLP_ENV = {
     "off": {},
@@ -210,7 +190,7 @@ async def _target(
     otlp: dict[str, str],
     trust: dict[str, str],
 ) -> dict[str, Any]:
-    api, kind = PATHS[args.path]
+    api, kind = API_PATHS[args.path]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         if args.keep:  # the dumps kept for callgrind_annotate, a folder a target
@@ -221,7 +201,7 @@ async def _target(
         # PYTHONHASHSEED: the same dict and set layouts in every run and target.
         env = {"PYTHONHASHSEED": "0", **(otlp if src not in (RELAY, READING_RELAY) else {})}
         env.update(trust)  # (--tls: the throw-away CA, for every target)
-        upstream = _upstream(kind, sim_url)
+        upstream = upstream_args(kind, sim_url)
         logs = ACCESS_LOG_ARGS if args.access_log else ()
         with gateway_under(
             sim_url, src, prefix, env, timeout=300, upstream=upstream, serve_args=logs
@@ -352,7 +332,7 @@ def main() -> None:
     )
     p.add_argument(
         "--path",
-        choices=list(PATHS),
+        choices=list(API_PATHS),
         default="chat",
         help="the client's API and the upstream's: a native path or a translation (the"
         " relays forward the client's API to the sim as it is)",

@@ -294,6 +294,12 @@ def test_input_items_become_chat_messages() -> None:
     )
     msgs = chat["messages"]
     assert [m["role"] for m in msgs] == ["system", "system", "user", "assistant", "tool"]
+    # One text part is that text; an output_text part as well (the assistant's own turn).
+    for kind in ("input_text", "output_text"):
+        one = to_chat(
+            {"model": "m", "input": [{"role": "user", "content": [{"type": kind, "text": "t"}]}]}
+        )
+        assert one["messages"] == [{"role": "user", "content": "t"}]
     assert msgs[2]["content"][1] == {"type": "image_url", "image_url": {"url": "https://x/y.png"}}
     assert [c["id"] for c in msgs[3]["tool_calls"]] == ["c1", "c2"]  # one turn's calls together
     assert msgs[4] == {"role": "tool", "tool_call_id": "c1", "content": "one"}
@@ -311,6 +317,39 @@ def test_input_items_become_chat_messages() -> None:
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"stream_options": {"include_everything": True}}, "stream_options.include_everything"),
         ({"text": {"format": {"type": "text"}, "colour": "red"}}, "text.colour"),
+        # Each item's place is named only when it is needed (an error): the same names.
+        ({"input": [{"role": "user", "content": "x"}, "not an item"]}, "input[1]"),
+        ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+            "input[0].content[0].text",
+        ),
+        (
+            {
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "a"},
+                            {"type": "input_text", "text": ["b"]},
+                        ],
+                    }
+                ]
+            },
+            "input[0].content[1].text",
+        ),
+        (
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "input[0].call_id",
+        ),
+        (
+            {
+                "input": [
+                    {"type": "function_call_output", "call_id": "c", "output": [{"type": "x"}]}
+                ]
+            },
+            "input[0].output.content[0].type",
+        ),
     ],
 )
 def test_what_chat_cannot_express_is_refused_by_name(extra: dict[str, Any], param: str) -> None:

@@ -133,7 +133,7 @@ def to_chat(obj: dict[str, Any]) -> dict[str, Any]:
         messages.append({"role": "user", "content": source})
     else:
         for i, item in enumerate(source):
-            _item(messages, item, f"input[{i}]")
+            _item(messages, item, i)
     if not messages:
         raise GatewayError(400, "'input' holds no message.", param="input")
     chat["messages"] = messages
@@ -155,17 +155,28 @@ def to_chat(obj: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def _item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
+def _item(messages: list[dict[str, Any]], item: Any, i: int) -> None:
+    """`input[i]` onto `messages`. Its place's name is written only when it is needed (an
+    error, a content of several parts): a client resends every earlier item each turn, and
+    the names, with a text part's list built only to be unpacked, were half the
+    translation's time (31 items, timeit: 22.2 -> 9.7 us with string contents, 31.2 -> 15.7
+    with one text part each)."""
     if not isinstance(item, dict):
-        raise GatewayError(400, f"'{where}' must be an object.", param=where)
+        raise GatewayError(400, f"'input[{i}]' must be an object.", param=f"input[{i}]")
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
         role = _ROLES.get(role) if isinstance(role, str) else None
         if role is None:
-            raise _refuse(f"{where}.role", f"= {item.get('role')!r} is not a chat role")
-        messages.append({"role": role, "content": _content(item.get("content"), where)})
-    elif kind == "function_call":
+            raise _refuse(f"input[{i}].role", f"= {item.get('role')!r} is not a chat role")
+        content = item.get("content")
+        if not isinstance(content, str):
+            text = _sole_text(content)
+            content = text if text is not None else _content(content, f"input[{i}]")
+        messages.append({"role": role, "content": content})
+        return
+    where = f"input[{i}]"
+    if kind == "function_call":
         call = {
             "id": _string(item, "call_id", where),
             "type": "function",
@@ -190,11 +201,28 @@ def _item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         raise _refuse(f"{where}.type", f"= {kind!r} is not supported")
 
 
-def _string(item: dict[str, Any], key: str, where: str) -> str:
+def _string(item: dict[str, Any], key: str, where: str, part: int | None = None) -> str:
+    """`item[key]`, a string; `part`: the item is `where`'s content part of that index."""
     value = item.get(key)
     if not isinstance(value, str):
-        raise GatewayError(400, f"'{where}.{key}' must be a string.", param=f"{where}.{key}")
+        at = where if part is None else f"{where}.content[{part}]"
+        raise GatewayError(400, f"'{at}.{key}' must be a string.", param=f"{at}.{key}")
     return value
+
+
+def _sole_text(content: Any) -> str | None:
+    """The text of a content that is one text part (as the SDKs send a message's), else None:
+    what `_content` gives for it, without its list of parts."""
+    if type(content) is list and len(content) == 1:
+        part = content[0]
+        if type(part) is dict and part.get("type") in _TEXT_PARTS:
+            text = part.get("text")
+            if type(text) is str:
+                return text
+    return None
+
+
+_TEXT_PARTS = ("input_text", "output_text")
 
 
 def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
@@ -208,17 +236,16 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
         )
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text"):
-            parts.append({"type": "text", "text": _string(part, "text", at)})
+        if kind in _TEXT_PARTS:
+            parts.append({"type": "text", "text": _string(part, "text", where, j)})
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
             image = {"url": part["image_url"]}
             if part.get("detail") is not None:
                 image["detail"] = part["detail"]
             parts.append({"type": "image_url", "image_url": image})
         else:
-            raise _refuse(f"{at}.type", f"= {kind!r} is not supported")
+            raise _refuse(f"{where}.content[{j}].type", f"= {kind!r} is not supported")
     if len(parts) == 1 and parts[0]["type"] == "text":
         return str(parts[0]["text"])
     return parts
