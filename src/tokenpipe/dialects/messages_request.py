@@ -134,17 +134,19 @@ def messages_request(chat: dict[str, Any]) -> dict[str, Any]:
             messages.append({"role": "user", "content": _blocks(m.get("content"))})
         elif role == "assistant":
             blocks = _blocks(m.get("content"))
-            at = f"messages[{i}].tool_calls"
-            for j, call in enumerate(_objects(m.get("tool_calls"), at)):
-                fn = _object(call.get("function"), f"{at}[{j}].function")
-                blocks.append(
-                    {
-                        "type": "tool_use",
-                        "id": call.get("id"),
-                        "name": fn.get("name"),
-                        "input": _arguments(fn.get("arguments")),
-                    }
-                )
+            calls = m.get("tool_calls")
+            if calls is not None:  # (its name written only then: a client resends them all)
+                at = f"messages[{i}].tool_calls"
+                for j, call in enumerate(_objects(calls, at)):
+                    fn = _object(call.get("function"), f"{at}[{j}].function")
+                    blocks.append(
+                        {
+                            "type": "tool_use",
+                            "id": call.get("id"),
+                            "name": fn.get("name"),
+                            "input": _arguments(fn.get("arguments")),
+                        }
+                    )
             messages.append({"role": "assistant", "content": blocks})
         elif role == "tool":
             result = {
