@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenpipe.control import cost
 from tokenpipe.control.cost import estimate_text, of_request
@@ -82,3 +86,32 @@ def test_without_max_tokens_the_default_is_reserved_and_usage_says_the_rest() ->
 def test_with_max_tokens_the_upstream_counts_the_maximum_not_the_output() -> None:
     c = of_request({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50})
     assert c.charged({"prompt_tokens": 9, "completion_tokens": 3}) == 59
+
+
+_TEXT = st.text(max_size=40)
+_PART = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.just("input_text")}, optional={"text": st.one_of(_TEXT, st.integers())}
+    ),
+    st.integers(),
+)
+_ITEM = st.fixed_dictionaries(
+    {},
+    optional={
+        "content": st.one_of(_TEXT, st.none(), st.integers(), st.lists(_PART, max_size=3)),
+        "output": st.one_of(_TEXT, st.lists(_PART, max_size=2)),
+        "arguments": st.one_of(_TEXT, st.none()),
+    },
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(items=st.lists(_ITEM, max_size=6))
+def test_a_responses_items_estimate_reads_what_its_general_reading_reads(
+    items: list[dict[str, Any]],
+) -> None:
+    """The usual item (a string content, or one text part) is read without the general
+    reading (`_item_text`); what it reads is the same, for any content, output and
+    arguments."""
+    want = sum(estimate_text(cost._item_text(x)) + cost.PER_MESSAGE for x in items)
+    assert of_request({"model": "m", "input": items}, 0).prompt == want

@@ -148,17 +148,39 @@ def _input(value: Any) -> int:
         return 0
     total = 0
     for x in value:
-        if isinstance(x, str):
+        if type(x) is dict:  # a Responses item, the usual one first (a client resends them all)
+            text = x.get("content")
+            if not (type(text) is str and text):
+                text = _sole_text(text) or _item_text(x)
+            total += estimate_text(text) + PER_MESSAGE
+        elif isinstance(x, str):
             total += estimate_text(x)
         elif isinstance(x, list):  # token ids
             total += len(x)
         elif isinstance(x, dict):
-            text = _content(x.get("content")) or _content(x.get("output"))
-            text = text or str(x.get("arguments") or "")
-            total += estimate_text(text) + PER_MESSAGE
+            total += estimate_text(_item_text(x)) + PER_MESSAGE
         else:  # one token id
             total += 1
     return total
+
+
+def _item_text(item: dict[str, Any]) -> str:
+    """A Responses item's text: its content's, else its output's, else its arguments."""
+    text = _content(item.get("content")) or _content(item.get("output"))
+    return text or str(item.get("arguments") or "")
+
+
+def _sole_text(content: Any) -> str:
+    """The text of a content of one part (as the SDKs send a message's), else "": what
+    `_content` gives for it without a generator and a join (31 items of one part each:
+    29.8 -> 16.4 us an estimate, timeit)."""
+    if type(content) is list and len(content) == 1:
+        part = content[0]
+        if type(part) is dict:
+            text = part.get("text")
+            if type(text) is str:
+                return text
+    return ""
 
 
 def of_request(
