@@ -254,6 +254,35 @@ API_PATHS = {
 }
 
 
+def add_request_shape(p: argparse.ArgumentParser) -> None:
+    """The options that shape the measured requests, as the counting benchmarks share them
+    (request_instructions.py, calls_per_request.py)."""
+    p.add_argument(
+        "--path",
+        choices=list(API_PATHS),
+        default="chat",
+        help="the client's API and the upstream's: a native path or a translation (the"
+        " relays forward the client's API to the sim as it is)",
+    )
+    p.add_argument(
+        "--messages",
+        type=int,
+        default=0,
+        help="each request a conversation of this many turns (~250 characters each)",
+    )
+    p.add_argument(
+        "--model",
+        default="sim-model",
+        help="the requests' model (one with a known context window, e.g. gpt-4o-mini, "
+        "turns the context budget on; the sim lists it)",
+    )
+    p.add_argument(
+        "--ratelimit-headers",
+        action="store_true",
+        help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
+    )
+
+
 def upstream_args(kind: str, sim_url: str) -> list[str]:
     """The gateway's arguments naming the sim as an upstream of `kind` (API_PATHS)."""
     if kind == "anthropic":

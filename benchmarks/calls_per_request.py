@@ -47,6 +47,7 @@ from _common import (
     RATELIMIT_HEADERS_SIM,
     RELAY,
     ROOT,
+    add_request_shape,
     gateway_under,
     one_token_requests,
     sim_models,
@@ -280,25 +281,7 @@ def main() -> None:
     p.add_argument(
         "--whole", action="store_true", help="non-streamed requests (chat, stream false)"
     )
-    p.add_argument(
-        "--ratelimit-headers",
-        action="store_true",
-        help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
-    )
-    p.add_argument(
-        "--messages", type=int, default=0, help="each request a chat history of this many turns"
-    )
-    p.add_argument(
-        "--path",
-        choices=list(API_PATHS),
-        default="chat",
-        help="the client's API and the upstream's: a native path or a translation",
-    )
-    p.add_argument(
-        "--model",
-        default="sim-model",
-        help="the requests' model (gpt-4o-mini: a known window, the context budget runs)",
-    )
+    add_request_shape(p)
     p.add_argument("--json", default=str(ROOT / "results" / "calls_per_request.json"))
     args = p.parse_args()
     if args.base:

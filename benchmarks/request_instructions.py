@@ -61,6 +61,7 @@ from _common import (
     RATELIMIT_HEADERS_SIM,
     READING_RELAY,
     RELAY,
+    add_request_shape,
     gateway_under,
     one_token_requests,
     sim_models,
@@ -330,13 +331,7 @@ def main() -> None:
     p.add_argument(
         "--prompt", type=int, default=32, help="the measured requests' prompt, in tokens"
     )
-    p.add_argument(
-        "--path",
-        choices=list(API_PATHS),
-        default="chat",
-        help="the client's API and the upstream's: a native path or a translation (the"
-        " relays forward the client's API to the sim as it is)",
-    )
+    add_request_shape(p)  # --path, --messages, --model, --ratelimit-headers
     p.add_argument("--tokens", type=int, default=0, help="tokens of the long requests (0: none)")
     p.add_argument("--long-requests", type=int, default=20, help="long requests a round")
     p.add_argument(
@@ -350,23 +345,6 @@ def main() -> None:
     p.add_argument("--no-relay", action="store_true", help="leave the bare relay out")
     p.add_argument(
         "--reading-relay", action="store_true", help="+ the relay decoding what it forwards"
-    )
-    p.add_argument(
-        "--messages",
-        type=int,
-        default=0,
-        help="each request a conversation of this many turns (~250 characters each)",
-    )
-    p.add_argument(
-        "--model",
-        default="sim-model",
-        help="the requests' model (one with a known context window, e.g. gpt-4o-mini, "
-        "turns the context budget on)",
-    )
-    p.add_argument(
-        "--ratelimit-headers",
-        action="store_true",
-        help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
     )
     p.add_argument(
         "--access-log",
