@@ -115,3 +115,23 @@ def test_a_responses_items_estimate_reads_what_its_general_reading_reads(
     arguments."""
     want = sum(estimate_text(cost._item_text(x)) + cost.PER_MESSAGE for x in items)
     assert of_request({"model": "m", "input": items}, 0).prompt == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    messages=st.lists(
+        st.fixed_dictionaries(
+            {"role": st.just("user")},
+            optional={"content": st.one_of(_TEXT, st.none(), st.lists(_PART, max_size=3))},
+        ),
+        max_size=6,
+    )
+)
+def test_a_chat_messages_estimate_reads_what_its_general_reading_reads(
+    messages: list[dict[str, Any]],
+) -> None:
+    """A message's content of one part is read without the join; the same text."""
+    want = cost.PER_REPLY + sum(
+        cost.PER_MESSAGE + estimate_text(cost._content(m.get("content"))) for m in messages
+    )
+    assert of_request({"model": "m", "messages": messages}, 0).prompt == want

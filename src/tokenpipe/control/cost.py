@@ -172,8 +172,8 @@ def _item_text(item: dict[str, Any]) -> str:
 
 def _sole_text(content: Any) -> str:
     """The text of a content of one part (as the SDKs send a message's), else "": what
-    `_content` gives for it without a generator and a join (31 items of one part each:
-    29.8 -> 16.4 us an estimate, timeit)."""
+    `_content` gives for it without a generator and a join (31 Responses items of one part
+    each: 29.8 -> 16.4 us an estimate; 31 chat messages: 29.0 -> 16.4; timeit)."""
     if type(content) is list and len(content) == 1:
         part = content[0]
         if type(part) is dict:
@@ -221,8 +221,8 @@ def of_request(
             content = m.get("content") if type(m) is dict else None
             if type(content) is str:  # (the usual message: one call, a client resends them all)
                 prompt += estimate_text(content)
-            elif type(m) is dict:
-                prompt += estimate_text(_content(content))
+            elif type(m) is dict:  # (one part, as the SDKs send it: without a join)
+                prompt += estimate_text(_sole_text(content) or _content(content))
             else:
                 prompt -= PER_MESSAGE  # not a message (the schema has let it through)
     else:
