@@ -105,15 +105,30 @@ _ITEM = st.fixed_dictionaries(
 )
 
 
+def _joined(content: Any) -> str:
+    """A content's text as the general reading takes it: a string, or every object part's
+    text joined by spaces (the reference the shortcuts are held to)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def _item_joined(item: dict[str, Any]) -> str:
+    """A Responses item's text by the general reading: content, else output, else arguments."""
+    text = _joined(item.get("content")) or _joined(item.get("output"))
+    return text or str(item.get("arguments") or "")
+
+
 @settings(max_examples=400, deadline=None)
 @given(items=st.lists(_ITEM, max_size=6))
 def test_a_responses_items_estimate_reads_what_its_general_reading_reads(
     items: list[dict[str, Any]],
 ) -> None:
     """The usual item (a string content, or one text part) is read without the general
-    reading (`_item_text`); what it reads is the same, for any content, output and
-    arguments."""
-    want = sum(estimate_text(cost._item_text(x)) + cost.PER_MESSAGE for x in items)
+    reading; what it reads is the same, for any content, output and arguments."""
+    want = sum(estimate_text(_item_joined(x)) + cost.PER_MESSAGE for x in items)
     assert of_request({"model": "m", "input": items}, 0).prompt == want
 
 
@@ -132,6 +147,6 @@ def test_a_chat_messages_estimate_reads_what_its_general_reading_reads(
 ) -> None:
     """A message's content of one part is read without the join; the same text."""
     want = cost.PER_REPLY + sum(
-        cost.PER_MESSAGE + estimate_text(cost._content(m.get("content"))) for m in messages
+        cost.PER_MESSAGE + estimate_text(_joined(m.get("content"))) for m in messages
     )
     assert of_request({"model": "m", "messages": messages}, 0).prompt == want
