@@ -21,6 +21,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --otlp metrics --no-relay   # GenAI metrics on
     python benchmarks/request_instructions.py --whole         # non-streamed answers (chat)
     python benchmarks/request_instructions.py --tls           # an https upstream (nginx, TLS)
+    python benchmarks/request_instructions.py --redis         # limits shared through Redis
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -62,6 +63,7 @@ from _common import (
     READING_RELAY,
     RELAY,
     add_request_shape,
+    config_file,
     gateway_under,
     one_token_requests,
     sim_models,
@@ -75,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/ (--otl
 import _nginx
 
 from tests.otlp_receiver import Receiver
+from tests.redis_server import RedisServer
 from tokenpipe.bench import procs, run_load
 from tokenpipe.bench.procs import Service
 
@@ -190,6 +193,7 @@ async def _target(
     args: argparse.Namespace,
     otlp: dict[str, str],
     trust: dict[str, str],
+    shared: tuple[str, ...],
 ) -> dict[str, Any]:
     api, kind = API_PATHS[args.path]
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,6 +208,7 @@ async def _target(
         env.update(trust)  # (--tls: the throw-away CA, for every target)
         upstream = upstream_args(kind, sim_url)
         logs = ACCESS_LOG_ARGS if args.access_log else ()
+        logs += shared if src not in (RELAY, READING_RELAY) else ()
         with gateway_under(
             sim_url, src, prefix, env, timeout=300, upstream=upstream, serve_args=logs
         ) as svc:
@@ -278,9 +283,18 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.tls:  # the sim behind nginx terminating TLS: an https upstream
             proxy, ca_file = stack.enter_context(_nginx.tls_proxy(sim.url))
             upstream_url, trust = proxy.url, {"SSL_CERT_FILE": str(ca_file)}
-        for name, src in targets:
+        shared: tuple[str, ...] = ()
+        if args.redis:  # the buckets in a redis-server: each target its own keys
+            redis = stack.enter_context(RedisServer())
+        for i, (name, src) in enumerate(targets):
             print(f"  {name}", flush=True)
-            results[name] = await _target(upstream_url, src, args, otlp, trust)
+            if args.redis:
+                store = f"{{url: '{redis.url}', key_prefix: target{i}}}"
+                config = config_file(
+                    f"instructions-redis-{i}", f"limits: {{backend: redis, redis: {store}}}\n"
+                )
+                shared = ("--config", str(config))
+            results[name] = await _target(upstream_url, src, args, otlp, trust, shared)
     return results
 
 
@@ -356,6 +370,12 @@ def main() -> None:
         "--tls",
         action="store_true",
         help="the upstream over https: the sim behind nginx terminating TLS (a throw-away CA)",
+    )
+    p.add_argument(
+        "--redis",
+        action="store_true",
+        help="the gateways keep their buckets in a redis-server (limits.backend: redis; the"
+        " relays have none)",
     )
     p.add_argument(
         "--whole",
