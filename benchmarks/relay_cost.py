@@ -9,6 +9,7 @@ answers, the request path subtracted), interleaved round by round, one sim for b
     python benchmarks/relay_cost.py --tracing off,metrics    # + the GenAI metrics alone
     python benchmarks/relay_cost.py --base-src ../old/src  # + tokenpipe of another checkout
     python benchmarks/relay_cost.py --ratelimit-headers   # answers carry x-ratelimit-*
+    python benchmarks/relay_cost.py --redis --base-src ../old/src  # limits shared via Redis
 
 `--tracing` (a list) sets each gateway's OpenTelemetry environment: `off` (the default: no
 endpoint), `on` (every request sampled, spans batched to an OTLP/HTTP receiver on loopback
@@ -36,6 +37,7 @@ from _common import (
     RATELIMIT_HEADERS_SIM,
     ROOT,
     bare_relay,
+    config_file,
     cpu_seconds,
     features_off_config,
     gateway,
@@ -45,6 +47,7 @@ from _common import (
 sys.path.insert(0, str(ROOT))  # tests/ (the OTLP receiver of --tracing)
 
 from tests.otlp_receiver import Receiver
+from tests.redis_server import RedisServer
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
 from tokenpipe.serving import install_uvloop
@@ -109,13 +112,26 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             Service("sim", "--port", "0", "--ttft-ms", "20", "--itl-ms", "5", *limits, name="sim")
         )
         targets: dict[str, Service] = {}
+        redis = stack.enter_context(RedisServer()) if args.redis else None
+
+        def shared(name: str) -> Path | None:
+            """With --redis, a config keeping the gateway's buckets in the one redis-server,
+            under keys of its own."""
+            if redis is None:
+                return None
+            store = f"{{url: '{redis.url}', key_prefix: {name}}}"
+            text = f"limits: {{backend: redis, redis: {store}}}\n"
+            return config_file(f"relay-cost-redis-{name}", text)
+
         for mode in args.tracing:
             env = _tracing_env(mode, receiver)
-            targets[TRACED_NAMES[mode]] = stack.enter_context(gateway(sim.url, env=env))
+            name = TRACED_NAMES[mode]
+            targets[name] = stack.enter_context(gateway(sim.url, env=env, config=shared(name)))
             if args.base_src:  # the other checkout in each tracing mode too
                 base_env = {**(env or {}), "PYTHONPATH": args.base_src}
                 name = BASE_NAMES[mode]
-                targets[name] = stack.enter_context(gateway(sim.url, env=base_env))
+                other = gateway(sim.url, env=base_env, config=shared(name))
+                targets[name] = stack.enter_context(other)
         targets["bare-relay"] = stack.enter_context(bare_relay(sim.url))
         if args.features_off:
             off = gateway(sim.url, config=features_off_config())
@@ -199,6 +215,12 @@ def main() -> None:
         "--ratelimit-headers",
         action="store_true",
         help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
+    )
+    p.add_argument(
+        "--redis",
+        action="store_true",
+        help="the gateways keep their buckets in a redis-server (limits.backend: redis); the"
+        " relay has none. Its CPU is not counted (another process)",
     )
     p.add_argument("--json", default=str(ROOT / "results" / "relay_cost.json"))
     args = p.parse_args()

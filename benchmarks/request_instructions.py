@@ -207,7 +207,7 @@ async def _target(
         env = {"PYTHONHASHSEED": "0", **(otlp if src not in (RELAY, READING_RELAY) else {})}
         env.update(trust)  # (--tls: the throw-away CA, for every target)
         upstream = upstream_args(kind, sim_url)
-        logs = ACCESS_LOG_ARGS if args.access_log else ()
+        logs: tuple[str, ...] = ACCESS_LOG_ARGS if args.access_log else ()
         logs += shared if src not in (RELAY, READING_RELAY) else ()
         with gateway_under(
             sim_url, src, prefix, env, timeout=300, upstream=upstream, serve_args=logs

@@ -10,8 +10,10 @@ import signal
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from tests.redis_server import RedisServer
+from tokenpipe.clock import ManualClock
 from tokenpipe.control.redis_backend import RedisStore
 from tokenpipe.control.store import Limits, Spec
 from tokenpipe.observe import metrics
@@ -147,3 +149,135 @@ async def test_when_redis_dies_decisions_fall_back_to_a_local_share_and_return_a
     finally:
         for st in stores:
             await st.close()
+
+
+# -- leases: a started store grants from units it took, far from the limits -------------------
+
+#: Far from its limits: a lease of 1/2 of what is above a quarter (one replica).
+ROOMY = Limits(requests=Spec(rate=0.01, capacity=100), tokens=Spec(rate=0.01, capacity=100_000))
+
+
+def _evalsha(server: RedisServer) -> int:
+    """Scripts Redis has run since it started: a reservation, a correction, a learned level."""
+    stats = redis.Redis(port=server.port).info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def _started(server: RedisServer, prefix: str, clock: ManualClock) -> RedisStore:
+    s = RedisStore(server.url, prefix=prefix, timeout=2.0, clock=clock)
+    await s.start()
+    return s
+
+
+async def test_a_started_store_grants_from_a_lease_without_asking_redis(
+    redis_server: RedisServer,
+) -> None:
+    clock = ManualClock()  # stands still: the lease does not end while the test runs
+    s = await _started(redis_server, "l1", clock)
+    try:
+        await s.reserve("up:warm", ROOMY, 0)  # (Redis learns the script: a second call)
+        before = _evalsha(redis_server)
+        decisions = [await s.reserve("up:x", ROOMY, 100) for _ in range(20)]
+        assert _evalsha(redis_server) - before == 1  # the first asked; 19 from its lease
+        assert all(d.wait == 0.0 for d in decisions)
+        assert [d.seq_requests for d in decisions] == [float(i) for i in range(1, 21)]
+        assert [d.seq_tokens for d in decisions] == [100.0 * i for i in range(1, 21)]
+        # The levels a grant reports: the bucket's, with what the lease has left in it.
+        assert decisions[-1].remaining_requests == pytest.approx(80, abs=0.01)
+        assert decisions[-1].remaining_tokens == pytest.approx(98_000, abs=1)
+        clock.advance(0.051)  # the lease is over: the next asks Redis, giving back the rest
+        await s.reserve("up:x", ROOMY, 100)
+        assert _evalsha(redis_server) - before == 2
+    finally:
+        await s.close()
+    other = RedisStore(redis_server.url, prefix="l1", timeout=2.0)  # unstarted: no lease
+    try:  # 21 sent, nothing held: the bucket has the rest (reserving 0 tokens takes none)
+        d = await other.reserve("up:x", ROOMY, 0)
+        assert d.remaining_requests == pytest.approx(100 - 22, abs=0.01)
+        assert d.remaining_tokens == pytest.approx(100_000 - 2_100, abs=1)
+    finally:
+        await other.close()
+
+
+async def test_leasing_replicas_never_grant_more_than_the_bucket_holds(
+    redis_server: RedisServer,
+) -> None:
+    """Three replicas, 40 requests in the bucket, 150 asked in turn: no more than 40 are
+    granted while they hold leases, and once they are closed (their leases given back) a
+    fourth gets exactly the rest: nothing granted twice, nothing lost."""
+    clock = ManualClock()
+    small = Limits(requests=Spec(rate=0.0001, capacity=40))
+    stores = [await _started(redis_server, "l2", clock) for _ in range(3)]
+    try:
+        granted = 0
+        for i in range(150):
+            granted += (await stores[i % 3].reserve("up:y", small, 1)).wait == 0.0
+            assert granted <= 40
+    finally:
+        for st in stores:
+            await st.close()
+    last = RedisStore(redis_server.url, prefix="l2", timeout=2.0)
+    try:
+        while (await last.reserve("up:y", small, 1)).wait == 0.0:
+            granted += 1
+        assert granted == 40
+    finally:
+        await last.close()
+
+
+async def test_near_a_limit_every_request_asks_redis(redis_server: RedisServer) -> None:
+    clock = ManualClock()
+    s = await _started(redis_server, "l3", clock)
+    small = Limits(requests=Spec(rate=0.0001, capacity=20))
+    try:
+        for _ in range(16):  # 19 after the first: a lease of 7; then 4 and 1 more
+            assert (await s.reserve("up:z", small, 1)).wait == 0.0
+        before = _evalsha(redis_server)
+        decisions = [await s.reserve("up:z", small, 1) for _ in range(3)]
+        assert [d.wait == 0.0 for d in decisions] == [True, True, True]
+        assert _evalsha(redis_server) - before == 3  # at or below a quarter: no lease
+    finally:
+        await s.close()
+
+
+async def test_a_pause_from_another_replica_holds_a_lease_holder_once_its_lease_ends(
+    redis_server: RedisServer,
+) -> None:
+    clock = ManualClock()
+    a = await _started(redis_server, "l4", clock)
+    b = RedisStore(redis_server.url, prefix="l4", timeout=2.0)
+    try:
+        await a.reserve("up:p", ROOMY, 10)
+        await b.pause("up:p", 30)
+        assert (await a.reserve("up:p", ROOMY, 10)).wait == 0.0  # within its lease
+        clock.advance(0.051)
+        assert (await a.reserve("up:p", ROOMY, 10)).wait > 29
+        await a.pause("up:q", 0)  # (its own 429: below, the lease ends at once)
+        await a.reserve("up:r", ROOMY, 10)
+        await a.pause("up:r", 30)
+        assert (await a.reserve("up:r", ROOMY, 10)).wait > 29
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_corrections_go_into_a_held_lease_and_back_to_redis_with_it(
+    redis_server: RedisServer,
+) -> None:
+    clock = ManualClock()
+    s = await _started(redis_server, "l5", clock)
+    try:
+        await s.reserve("up:c", ROOMY, 5000)
+        before = _evalsha(redis_server)
+        s.give("up:c", ROOMY, 0, 4000)  # the upstream counted 1,000
+        assert (await s.reserve("up:c", ROOMY, 100)).wait == 0.0
+        assert _evalsha(redis_server) - before == 0
+    finally:
+        await s.close()
+    other = RedisStore(redis_server.url, prefix="l5", timeout=2.0)
+    try:  # 1,000 and 100 used; the lease's rest and the 4,000 back in the bucket
+        d = await other.reserve("up:c", ROOMY, 0)
+        assert d.remaining_tokens == pytest.approx(100_000 - 1_100, abs=1)
+        assert d.remaining_requests == pytest.approx(100 - 3, abs=0.01)
+    finally:
+        await other.close()

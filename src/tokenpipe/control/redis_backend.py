@@ -2,7 +2,10 @@
 
 Each decision is one server-side Lua script (one round trip, atomic): refill from Redis'
 own clock (`TIME`, so replicas need no synchronised clocks), check the pause and both
-buckets, take the reservation. Learning from headers, pauses and corrections are scripts too.
+buckets, take the reservation. Learning from headers, pauses and corrections are scripts too
+(`redis_scripts`). While a scope is far from its limits, the reservation also takes a lease
+(`lease.py`): units from which the replica grants its next requests for up to 50 ms without
+a round trip, given back when it ends.
 
 If Redis cannot be reached within `timeout` seconds, the process falls back at once to a
 local `MemoryStore` holding 1/N of every limit (N: the live replicas last counted through
@@ -28,7 +31,8 @@ from redis.exceptions import RedisError
 
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control.bounds import MAX_PAUSE, finite
-from tokenpipe.control.bucket import MAX_DEBT
+from tokenpipe.control.lease import LEASE_MAX_REQUESTS, LEASE_S, Lease
+from tokenpipe.control.redis_scripts import GIVE, LEARN, PAUSE, RESERVE
 from tokenpipe.control.store import Decision, Limits, MemoryStore
 from tokenpipe.observe import metrics
 
@@ -42,135 +46,11 @@ REPLICA_TTL = 5.0
 #: next answer's headers correct levels anyway, so losing one costs a little accuracy,
 #: never correctness).
 MAX_PENDING = 10_000
+#: Leases held at once (one a scope: upstreams and API keys); past it the oldest goes back.
+MAX_LEASES = 10_000
 #: Connections to Redis per process; a decision that finds none free within the timeout
 #: falls back to the local share.
 MAX_CONNECTIONS = 64
-#: Scope keys expire after a day without traffic (seconds).
-KEY_TTL = 86_400
-
-# Times inside Redis are seconds since this offset, so a double keeps microseconds when
-# Lua turns it into a string (%.14g).
-_NOW = """
-local t = redis.call('TIME')
-local now = (tonumber(t[1]) - 1700000000) + tonumber(t[2]) / 1000000
--- What another replica wrote may be garbage, NaN or infinite (hostile or older code):
--- every field read is checked and bounded as the local buckets are.
-local function num(x, default)
-  x = tonumber(x)
-  if x == nil or x ~= x or x == math.huge or x == -math.huge then return default end
-  return x
-end
-local function level(l, u, rate, cap)
-  l = num(l, nil)
-  if l == nil or l >= cap then return cap end
-  l = math.max(-MAX_DEBT * cap, l)
-  return math.min(cap, l + math.max(0, now - num(u, now)) * rate)
-end
-local rr, rc, tr, tc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local h = redis.call('HMGET', KEYS[1], 'rl', 'ru', 'tl', 'tu', 'rs', 'ts', 'pu', 'ep')
-local ep = h[8]
-if not ep or not string.match(ep, '^%d+$') or string.len(ep) > 18 then
-  ep = string.format('%d', math.floor(now * 1000000))
-  redis.call('HSET', KEYS[1], 'ep', ep)
-end
-local rl, tl = nil, nil
-if rr > 0 then rl = level(h[1], h[2], rr, rc) end
-if tr > 0 then tl = level(h[3], h[4], tr, tc) end
-local rs, ts = num(h[5], 0), num(h[6], 0)
-"""
-_SAVE = """
-if rl then redis.call('HSET', KEYS[1], 'rl', rl, 'ru', now) end
-if tl then redis.call('HSET', KEYS[1], 'tl', tl, 'tu', now) end
-redis.call('EXPIRE', KEYS[1], KEY_TTL)
-""".replace("KEY_TTL", str(KEY_TTL))
-
-# ARGV: rr rc tr tc tokens -> {wait, rs, ts, rl, tl, ep}
-RESERVE = (
-    _NOW
-    + """
-local n = tonumber(ARGV[5])
-local wait = 0
-local pu = num(h[7], 0)
-if pu > now + MAX_PAUSE then
-  pu = now + MAX_PAUSE
-  redis.call('HSET', KEYS[1], 'pu', pu)
-end
-if pu > now then wait = pu - now end
-if rl and rl < 1 then wait = math.max(wait, (1 - rl) / rr) end
-if tl then
-  local need = math.min(n, tc)
-  if tl < need then wait = math.max(wait, (need - tl) / tr) end
-end
-if wait == 0 then
-  rs = rs + 1
-  ts = ts + n
-  if rl then rl = math.max(-MAX_DEBT * rc, rl - 1) end
-  if tl then tl = math.max(-MAX_DEBT * tc, tl - n) end
-  redis.call('HSET', KEYS[1], 'rs', rs, 'ts', ts)
-end
-"""
-    + _SAVE
-    + """
-return {tostring(wait), tostring(rs), tostring(ts), tostring(rl or ''), tostring(tl or ''), ep}
-"""
-)
-
-# ARGV: rr rc tr tc remaining_r remaining_t seq_r seq_t ep ('' = unknown)
-LEARN = (
-    _NOW
-    + """
-local same = tonumber(ARGV[9]) == tonumber(ep)
-if rl and ARGV[5] ~= '' then
-  local after = 0
-  if same then after = rs - tonumber(ARGV[7]) end
-  rl = math.max(-MAX_DEBT * rc, math.min(rc, tonumber(ARGV[5]) - after))
-end
-if tl and ARGV[6] ~= '' then
-  local after = 0
-  if same then after = ts - tonumber(ARGV[8]) end
-  tl = math.max(-MAX_DEBT * tc, math.min(tc, tonumber(ARGV[6]) - after))
-end
-"""
-    + _SAVE
-    + """
-return 1
-"""
-)
-
-# ARGV: rr rc tr tc requests tokens (units given back; negative charges)
-GIVE = (
-    _NOW
-    + """
-if rl then rl = math.max(-MAX_DEBT * rc, math.min(rc, rl + tonumber(ARGV[5]))) end
-if tl then tl = math.max(-MAX_DEBT * tc, math.min(tc, tl + tonumber(ARGV[6]))) end
-"""
-    + _SAVE
-    + """
-return 1
-"""
-)
-
-# ARGV: seconds
-PAUSE = """
-local t = redis.call('TIME')
-local now = (tonumber(t[1]) - 1700000000) + tonumber(t[2]) / 1000000
-local pu = tonumber(redis.call('HGET', KEYS[1], 'pu')) or 0
-if pu ~= pu then pu = 0 end
-local s = math.min(tonumber(ARGV[1]), MAX_PAUSE)
-redis.call('HSET', KEYS[1], 'pu', math.min(math.max(pu, now + s), now + MAX_PAUSE))
-redis.call('EXPIRE', KEYS[1], KEY_TTL)
-return 1
-"""
-
-
-def _bounded(script: str) -> str:
-    """The script with the bounds shared with the local buckets filled in."""
-    for name, value in (("MAX_DEBT", MAX_DEBT), ("MAX_PAUSE", MAX_PAUSE), ("KEY_TTL", KEY_TTL)):
-        script = script.replace(name, repr(value))
-    return script
-
-
-RESERVE, LEARN, GIVE, PAUSE = (_bounded(x) for x in (RESERVE, LEARN, GIVE, PAUSE))
 
 
 def _spec_args(limits: Limits) -> list[float]:
@@ -193,13 +73,27 @@ def _num(s: bytes | str) -> float | None:
     return x
 
 
-def _decision(res: list[bytes]) -> Decision:
-    """RESERVE's answer, checked: a malformed one raises ValueError (never a NaN wait)."""
-    wait, rs, ts, rl, tl, ep = res
+def _decision(res: list[bytes]) -> tuple[Decision, float, float]:
+    """RESERVE's answer, checked (a malformed one raises ValueError, never a NaN wait): the
+    decision, as if no lease had been taken, and the units leased (-1: no lease)."""
+    wait, rs, ts, rl, tl, ep, lr, lt = res
     w = _num(wait) or 0.0
     if w < 0:
         raise ValueError("negative wait")
-    return Decision(w, _num(rs) or 0.0, _num(ts) or 0.0, _num(rl), _num(tl), int(ep))
+    lease_r, lease_t = _num(lr) or 0.0, _num(lt) or 0.0
+    level_r, level_t = _num(rl), _num(tl)
+    if lease_r >= 0.0:  # the request's own place in the count; the levels with the lease
+        d = Decision(
+            w,
+            (_num(rs) or 0.0) - lease_r,
+            (_num(ts) or 0.0) - lease_t,
+            None if level_r is None else level_r + lease_r,
+            None if level_t is None else level_t + lease_t,
+            int(ep),
+        )
+    else:
+        d = Decision(w, _num(rs) or 0.0, _num(ts) or 0.0, level_r, level_t, int(ep))
+    return d, lease_r, lease_t
 
 
 class RedisStore:
@@ -234,6 +128,10 @@ class RedisStore:
         self._pending: deque[tuple[AsyncScript, str, list[str | float]]] = deque(maxlen=MAX_PENDING)
         self._flush_now = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        #: Scopes' leases (`lease.py`): at most MAX_LEASES.
+        self._leases: dict[str, Lease] = {}
+        self._leasing: set[str] = set()  # scopes whose lease is being asked for
+        self.clock = clock
 
     def _key(self, scope: str) -> str:
         return f"{self.prefix}:{scope}"
@@ -250,17 +148,89 @@ class RedisStore:
             )
 
     async def reserve(self, scope: str, limits: Limits, tokens: float) -> Decision:
+        lease = self._leases.get(scope)
+        back_r = back_t = 0.0
+        if lease is not None:
+            if lease.limits is limits and self.clock.now() < lease.until:
+                d = lease.take(tokens)
+                if d is not None:
+                    return d
+            self._end(scope, lease)  # spent, old or for other limits: what is left goes back
+            back_r, back_t = lease.left()
         if self.healthy:
+            # A lease only for a started store (its flush task gives back what one leaves),
+            # and one asked for at a time: the requests that come meanwhile ask for none.
+            share = 0.0
+            if self._tasks and scope not in self._leasing:
+                share = 0.5 / max(1, self.replicas)
+                self._leasing.add(scope)
             try:
                 res = await self._reserve(
-                    keys=[self._key(scope)], args=[*_spec_args(limits), tokens]
+                    keys=[self._key(scope)],
+                    args=[
+                        *_spec_args(limits),
+                        tokens,
+                        back_r,
+                        back_t,
+                        share,
+                        LEASE_MAX_REQUESTS,
+                        LEASE_MAX_REQUESTS * max(1.0, tokens),
+                    ],
                 )
-                return _decision(res)
+                d, lease_r, lease_t = _decision(res)
+                if lease_r >= 0.0:
+                    until = self.clock.now() + LEASE_S
+                    self._lease(scope, Lease(limits, d, lease_r, lease_t, until))
+                return d
             except (TimeoutError, RedisError, OSError) as e:
                 self._down(e)
             except (ValueError, TypeError) as e:  # not our scripts' answer: decide locally
                 log.warning("redis answered a malformed decision for %s (%s)", scope, e)
+            finally:
+                if share:
+                    self._leasing.discard(scope)
         return self.fallback.reserve_now(scope, limits, tokens)
+
+    def _lease(self, scope: str, lease: Lease) -> None:
+        held = self._leases.get(scope)
+        if held is not None:  # (a reserve ended it before asking; kept safe all the same)
+            self._give_back(scope, held)
+        elif len(self._leases) >= MAX_LEASES:  # bound: the oldest goes back first
+            oldest = next(iter(self._leases))
+            self._give_back(oldest, self._leases[oldest])
+        self._leases[scope] = lease
+        lease.timer = asyncio.get_running_loop().call_later(LEASE_S, self._expire, scope, lease)
+
+    def _end(self, scope: str, lease: Lease) -> None:
+        """The lease stops granting (what it left is the caller's to give back)."""
+        if self._leases.get(scope) is lease:
+            del self._leases[scope]
+        if lease.timer is not None:
+            lease.timer.cancel()
+            lease.timer = None
+
+    def _give_back(self, scope: str, lease: Lease) -> None:
+        """Ends the lease and sends what it left to Redis (with the flush's next batch).
+        Redis down: dropped, with the shared buckets it belongs to."""
+        self._end(scope, lease)
+        r, t = lease.left()
+        if (r or t) and self.healthy:
+            self._pending.append((self._give, scope, [*_spec_args(lease.limits), r, t]))
+            self._flush_now.set()
+
+    def _expire(self, scope: str, lease: Lease) -> None:
+        """LEASE_S after it was taken, with no request since to ask Redis and give it back.
+        The store's clock says when it ends (the timer only wakes this up): a test's
+        clock that stands still keeps the lease."""
+        lease.timer = None
+        if self._leases.get(scope) is not lease:
+            return
+        left = lease.until - self.clock.now()
+        if left > 0.0:
+            loop = asyncio.get_running_loop()
+            lease.timer = loop.call_later(min(left, LEASE_S), self._expire, scope, lease)
+        else:
+            self._give_back(scope, lease)
 
     async def learn(
         self,
@@ -276,6 +246,13 @@ class RedisStore:
         it counts from `since`, the reservations made after it subtracted in Redis."""
         # Only finite levels go to Redis (the parser bounds them; this is the last gate).
         remaining_requests, remaining_tokens = finite(remaining_requests), finite(remaining_tokens)
+        # This replica's lease ends here: the level learned counts its units as sent after
+        # `since`; what it left goes back in the same script, so the level is what was stated
+        # less what was really sent after `since` (another replica's lease: within LEASE_S).
+        back_r = back_t = 0.0
+        if (lease := self._leases.get(scope)) is not None:
+            self._end(scope, lease)
+            back_r, back_t = lease.left()
         if self.healthy:
             args: list[str | float] = [
                 *_spec_args(limits),
@@ -284,6 +261,8 @@ class RedisStore:
                 since.seq_requests if since else 0.0,
                 since.seq_tokens if since else 0.0,
                 since.origin if since else 0,
+                back_r,
+                back_t,
             ]
             if self._tasks:  # started: the flush task sends it
                 self._pending.append((self._learn, scope, args))
@@ -299,6 +278,8 @@ class RedisStore:
     async def pause(self, scope: str, seconds: float) -> None:
         seconds = min(seconds, MAX_PAUSE) if seconds > 0 else 0.0  # NaN: no pause
         self.fallback.pause_now(scope, seconds)  # kept locally too, for a fallback to honour
+        if (lease := self._leases.get(scope)) is not None:  # grants nothing more
+            self._give_back(scope, lease)
         if self.healthy:
             try:
                 await self._pause(keys=[self._key(scope)], args=[seconds])
@@ -306,6 +287,10 @@ class RedisStore:
                 self._down(e)
 
     def give(self, scope: str, limits: Limits, requests: float, tokens: float) -> None:
+        lease = self._leases.get(scope)
+        if lease is not None and lease.limits is limits:  # goes back with the lease
+            lease.give(requests, tokens)
+            return
         if not self.healthy:
             self.fallback.give(scope, limits, requests, tokens)
             return
@@ -320,15 +305,17 @@ class RedisStore:
             self._flush_now.clear()
             batch = list(self._pending)
             self._pending.clear()
-            if not batch or not self.healthy:
-                continue
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for script, scope, args in batch:
-                        await script(keys=[self._key(scope)], args=args, client=pipe)
-                    await pipe.execute()
-            except (TimeoutError, RedisError, OSError) as e:
-                self._down(e)
+            if batch and self.healthy:
+                await self._send(batch)
+
+    async def _send(self, batch: list[tuple[AsyncScript, str, list[str | float]]]) -> None:
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for script, scope, args in batch:
+                    await script(keys=[self._key(scope)], args=args, client=pipe)
+                await pipe.execute()
+        except (TimeoutError, RedisError, OSError) as e:
+            self._down(e)
 
     async def _watch(self) -> None:
         key = f"{self.prefix}:replicas"
@@ -367,6 +354,10 @@ class RedisStore:
             except asyncio.CancelledError:
                 pass
         self._tasks = []
+        for scope, lease in list(self._leases.items()):  # what leases left goes back now
+            self._give_back(scope, lease)
+        if self._pending and self.healthy:
+            await self._send(list(self._pending))
         try:
             await self.redis.zrem(f"{self.prefix}:replicas", self.replica_id)
         except (TimeoutError, RedisError, OSError):
