@@ -22,6 +22,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --whole         # non-streamed answers (chat)
     python benchmarks/request_instructions.py --tls           # an https upstream (nginx, TLS)
     python benchmarks/request_instructions.py --redis         # limits shared through Redis
+    python benchmarks/request_instructions.py --key-quotas    # auth on, per-key quotas
     python benchmarks/request_instructions.py --keep /tmp/cg --no-relay   # then, on a dump:
     callgrind_annotate --tree=caller "/tmp/cg/this tree/cg.out.2"  # who calls what
 
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import re
 import shutil
 import subprocess
@@ -178,6 +180,16 @@ class Counted:
         return self.folder / f"cg.out.{self.dumps}"
 
 
+#: `--key-quotas`: the key the requests carry (the relays ignore it) and the gateways' config.
+BENCH_KEY = "sk-bench-key"
+KEY_QUOTAS = f"""auth:
+  api_keys:
+    - name: bench
+      sha256: {hashlib.sha256(BENCH_KEY.encode()).hexdigest()}
+keys:
+  "*": {{rpm: 100000000, tpm: 100000000000}}
+"""
+
 #: The gateways' environment per `--otlp`: where the OTLP/HTTP receiver is named ({url}).
 OTLP_ENV = {
     "off": {},
@@ -214,6 +226,7 @@ async def _target(
         ) as svc:
             counted = Counted(svc, folder)
             shape = {"api": api, "model": args.model, "messages": args.messages}
+            shape["api_key"] = BENCH_KEY if args.key_quotas else None
             if args.whole:  # non-streamed answers (chat), counted as the streamed ones are
                 shape_whole = {"model": args.model}
 
@@ -283,17 +296,18 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.tls:  # the sim behind nginx terminating TLS: an https upstream
             proxy, ca_file = stack.enter_context(_nginx.tls_proxy(sim.url))
             upstream_url, trust = proxy.url, {"SSL_CERT_FILE": str(ca_file)}
-        shared: tuple[str, ...] = ()
-        if args.redis:  # the buckets in a redis-server: each target its own keys
-            redis = stack.enter_context(RedisServer())
+        redis = stack.enter_context(RedisServer()) if args.redis else None
         for i, (name, src) in enumerate(targets):
             print(f"  {name}", flush=True)
-            if args.redis:
+            config = ""
+            if redis is not None:  # the buckets in a redis-server: each target its own keys
                 store = f"{{url: '{redis.url}', key_prefix: target{i}}}"
-                config = config_file(
-                    f"instructions-redis-{i}", f"limits: {{backend: redis, redis: {store}}}\n"
-                )
-                shared = ("--config", str(config))
+                config += f"limits: {{backend: redis, redis: {store}}}\n"
+            if args.key_quotas:  # auth on, one key, quotas far above the load
+                config += KEY_QUOTAS
+            shared: tuple[str, ...] = ()
+            if config:
+                shared = ("--config", str(config_file(f"instructions-{i}", config)))
             results[name] = await _target(upstream_url, src, args, otlp, trust, shared)
     return results
 
@@ -376,6 +390,12 @@ def main() -> None:
         action="store_true",
         help="the gateways keep their buckets in a redis-server (limits.backend: redis; the"
         " relays have none)",
+    )
+    p.add_argument(
+        "--key-quotas",
+        action="store_true",
+        help="auth on (the requests carry its one key) and a per-key quota far above the load"
+        " (keys: '*': rpm, tpm): admission reserves from the key's buckets too",
     )
     p.add_argument(
         "--whole",

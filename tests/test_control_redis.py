@@ -281,3 +281,24 @@ async def test_corrections_go_into_a_held_lease_and_back_to_redis_with_it(
         assert d.remaining_requests == pytest.approx(100 - 3, abs=0.01)
     finally:
         await other.close()
+
+
+async def test_closing_a_store_while_redis_hangs_returns_within_its_bound(
+    redis_server: RedisServer,
+) -> None:
+    """A gateway stopping while its flush task waits on a Redis that does not answer: close()
+    gives up after its bound instead of waiting on a task that swallowed its cancel."""
+    s = RedisStore(redis_server.url, prefix="l6", timeout=0.2)
+    await s.start()
+    assert redis_server.proc is not None
+    loop = asyncio.get_running_loop()
+    try:
+        await s.reserve("up:h", ROOMY, 10)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        s.give("up:other", ROOMY, 0, 5)  # no lease there: the flush task sends it, and waits
+        await asyncio.sleep(0)
+        started = loop.time()
+        await asyncio.wait_for(s.close(), 5)
+        assert loop.time() - started < 2 * 0.2 + 1.5
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)

@@ -53,6 +53,15 @@ MAX_LEASES = 10_000
 MAX_CONNECTIONS = 64
 
 
+def _reraise_cancel() -> None:
+    """Raises the CancelledError of a task that was cancelled inside a redis-py call which
+    answered with a connection error instead (it catches the cancel to drop or release the
+    connection): a background task that went on would make close() wait for it forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def _spec_args(limits: Limits) -> list[float]:
     r, t = limits.requests, limits.tokens
     return [
@@ -127,6 +136,7 @@ class RedisStore:
         #: (script, scope, args): corrections and learned levels, in the order they came.
         self._pending: deque[tuple[AsyncScript, str, list[str | float]]] = deque(maxlen=MAX_PENDING)
         self._flush_now = asyncio.Event()
+        self._closing = False  # close() asked the flush task to send what is queued and stop
         self._tasks: list[asyncio.Task[None]] = []
         #: Scopes' leases (`lease.py`): at most MAX_LEASES.
         self._leases: dict[str, Lease] = {}
@@ -307,6 +317,8 @@ class RedisStore:
             self._pending.clear()
             if batch and self.healthy:
                 await self._send(batch)
+            if self._closing and not self._pending:  # (what came during the send: once more)
+                return
 
     async def _send(self, batch: list[tuple[AsyncScript, str, list[str | float]]]) -> None:
         try:
@@ -315,6 +327,7 @@ class RedisStore:
                     await script(keys=[self._key(scope)], args=args, client=pipe)
                 await pipe.execute()
         except (TimeoutError, RedisError, OSError) as e:
+            _reraise_cancel()
             self._down(e)
 
     async def _watch(self) -> None:
@@ -337,6 +350,7 @@ class RedisStore:
                         self.replicas,
                     )
             except (TimeoutError, RedisError, OSError) as e:
+                _reraise_cancel()
                 self._down(e)
             await asyncio.sleep(RETRY)
 
@@ -346,17 +360,19 @@ class RedisStore:
         self._tasks = [loop.create_task(self._watch()), loop.create_task(self._flush())]
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
-        self._tasks = []
         for scope, lease in list(self._leases.items()):  # what leases left goes back now
             self._give_back(scope, lease)
-        if self._pending and self.healthy:
+        if self._tasks:
+            # The flush task sends what is queued and returns (cancelled inside a pipeline,
+            # redis-py may swallow the cancel); the heartbeat stops now. Bounded either way.
+            self._closing = True
+            self._flush_now.set()
+            self._tasks[0].cancel()
+            _, stuck = await asyncio.wait(self._tasks, timeout=2 * self.timeout + 1.0)
+            for t in stuck:
+                t.cancel()
+            self._tasks = []
+        elif self._pending and self.healthy:
             await self._send(list(self._pending))
         try:
             await self.redis.zrem(f"{self.prefix}:replicas", self.replica_id)
