@@ -302,3 +302,61 @@ async def test_closing_a_store_while_redis_hangs_returns_within_its_bound(
         assert loop.time() - started < 2 * 0.2 + 1.5
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+
+async def test_a_reservation_whose_caller_left_gives_back_what_it_took_lease_and_all(
+    redis_server: RedisServer,
+) -> None:
+    """The client leaves while its reservation, which asked for a lease, is on its way to
+    Redis: the reservation still completes, and its units (the request's and the lease's) go
+    back, instead of staying out of the shared buckets until they refill."""
+    s = RedisStore(redis_server.url, prefix="l7", timeout=2.0)
+    await s.start()
+    assert redis_server.proc is not None
+    loop = asyncio.get_running_loop()
+    try:
+        await s.reserve("up:warm", ROOMY, 0)  # (Redis learns the script)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            left = asyncio.ensure_future(s.reserve("up:u", ROOMY, 100))
+            await asyncio.sleep(0)  # it asks Redis (which does not answer yet)
+            left.cancel()
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        levels = redis.Redis(port=redis_server.port)
+        deadline = loop.time() + 5
+        while True:  # the scope's levels, as Redis holds them, come back whole
+            rl, tl = (float(x or 0) for x in levels.hmget("l7:up:u", "rl", "tl"))
+            if rl == pytest.approx(100, abs=0.01):
+                break
+            assert loop.time() < deadline, (rl, tl)
+            await asyncio.sleep(0.01)  # polling a condition with a deadline
+        assert tl == pytest.approx(100_000, abs=1)
+    finally:
+        await s.close()
+
+
+async def test_a_client_leaving_mid_decision_is_not_taken_for_redis_failing(
+    redis_server: RedisServer,
+) -> None:
+    """redis-py answers a cancel inside its call with a connection error: taken as Redis
+    failing, every client that left mid-decision put the replica on its local share."""
+    s = RedisStore(redis_server.url, prefix="l8", timeout=2.0)  # unstarted: no lease asked
+    assert redis_server.proc is not None
+    try:
+        await s.reserve("up:warm", ROOMY, 0)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            left = asyncio.ensure_future(s.reserve("up:v", ROOMY, 100))
+            await asyncio.sleep(0)  # it asks Redis (which does not answer yet)
+            left.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await left
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert s.healthy
+        assert metrics.REGISTRY.get_sample_value("tokenpipe_limits_redis_fallback") != 1
+    finally:
+        await s.close()

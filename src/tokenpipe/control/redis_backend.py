@@ -24,6 +24,7 @@ import os
 import time
 import uuid
 from collections import deque
+from collections.abc import Awaitable
 
 from redis import asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -56,7 +57,8 @@ MAX_CONNECTIONS = 64
 def _reraise_cancel() -> None:
     """Raises the CancelledError of a task that was cancelled inside a redis-py call which
     answered with a connection error instead (it catches the cancel to drop or release the
-    connection): a background task that went on would make close() wait for it forever."""
+    connection). Taken for Redis failing, a client that left mid-decision put the replica on
+    its local share, and a background task that went on made close() wait for it forever."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
@@ -175,7 +177,7 @@ class RedisStore:
                 share = 0.5 / max(1, self.replicas)
                 self._leasing.add(scope)
             try:
-                res = await self._reserve(
+                call = self._reserve(
                     keys=[self._key(scope)],
                     args=[
                         *_spec_args(limits),
@@ -187,12 +189,14 @@ class RedisStore:
                         LEASE_MAX_REQUESTS * max(1.0, tokens),
                     ],
                 )
+                res = await (self._shielded(call, scope, limits, tokens) if share else call)
                 d, lease_r, lease_t = _decision(res)
                 if lease_r >= 0.0:
                     until = self.clock.now() + LEASE_S
                     self._lease(scope, Lease(limits, d, lease_r, lease_t, until))
                 return d
             except (TimeoutError, RedisError, OSError) as e:
+                _reraise_cancel()  # the client left: not a sign that Redis is down
                 self._down(e)
             except (ValueError, TypeError) as e:  # not our scripts' answer: decide locally
                 log.warning("redis answered a malformed decision for %s (%s)", scope, e)
@@ -200,6 +204,33 @@ class RedisStore:
                 if share:
                     self._leasing.discard(scope)
         return self.fallback.reserve_now(scope, limits, tokens)
+
+    async def _shielded(
+        self, call: Awaitable[list[bytes]], scope: str, limits: Limits, tokens: float
+    ) -> list[bytes]:
+        """A reservation that asks for a lease runs to its end even if its caller is
+        cancelled (the client left): what it took, the lease's units and the request's own,
+        then goes back to Redis instead of staying out of the buckets until they refill."""
+        fut = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: self._undo(f, scope, limits, tokens))
+            raise
+
+    def _undo(
+        self, f: asyncio.Future[list[bytes]], scope: str, limits: Limits, tokens: float
+    ) -> None:
+        if f.cancelled() or f.exception() is not None:
+            return
+        try:
+            d, lease_r, lease_t = _decision(f.result())
+        except (ValueError, TypeError):
+            return
+        if d.wait == 0.0 and self.healthy:
+            taken = [1.0 + max(0.0, lease_r), tokens + max(0.0, lease_t)]
+            self._pending.append((self._give, scope, [*_spec_args(limits), *taken]))
+            self._flush_now.set()
 
     def _lease(self, scope: str, lease: Lease) -> None:
         held = self._leases.get(scope)
@@ -282,6 +313,7 @@ class RedisStore:
                 await self._learn(keys=[self._key(scope)], args=args)
                 return
             except (TimeoutError, RedisError, OSError) as e:
+                _reraise_cancel()
                 self._down(e)
         self.fallback.learn_now(scope, limits, remaining_requests, remaining_tokens, since)
 
@@ -294,6 +326,7 @@ class RedisStore:
             try:
                 await self._pause(keys=[self._key(scope)], args=[seconds])
             except (TimeoutError, RedisError, OSError) as e:
+                _reraise_cancel()
                 self._down(e)
 
     def give(self, scope: str, limits: Limits, requests: float, tokens: float) -> None:
