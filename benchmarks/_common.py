@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -231,6 +232,18 @@ def gateway(
                 raise RuntimeError(f"not all {workers} workers started:\n{svc.output()}")
             time.sleep(0.05)  # a child's start-up, polled with a deadline
     return svc
+
+
+#: `--key-quotas` (request_instructions.py, relay_cost.py): the key the requests carry (the
+#: relays ignore it) and the gateways' config: auth on, one key, quotas far above the load.
+BENCH_KEY = "sk-bench-key"
+KEY_QUOTAS = f"""auth:
+  api_keys:
+    - name: bench
+      sha256: {hashlib.sha256(BENCH_KEY.encode()).hexdigest()}
+keys:
+  "*": {{rpm: 100000000, tpm: 100000000000}}
+"""
 
 
 def config_file(name: str, config: str) -> Path:

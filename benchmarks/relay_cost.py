@@ -10,6 +10,7 @@ answers, the request path subtracted), interleaved round by round, one sim for b
     python benchmarks/relay_cost.py --base-src ../old/src  # + tokenpipe of another checkout
     python benchmarks/relay_cost.py --ratelimit-headers   # answers carry x-ratelimit-*
     python benchmarks/relay_cost.py --redis --base-src ../old/src  # limits shared via Redis
+    python benchmarks/relay_cost.py --key-quotas --redis --ratelimit-headers  # a deployment
 
 `--tracing` (a list) sets each gateway's OpenTelemetry environment: `off` (the default: no
 endpoint), `on` (every request sampled, spans batched to an OTLP/HTTP receiver on loopback
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
+    BENCH_KEY,
+    KEY_QUOTAS,
     RATELIMIT_HEADERS_SIM,
     ROOT,
     bare_relay,
@@ -55,8 +58,10 @@ from tokenpipe.serving import install_uvloop
 MODEL = "sim-model"
 
 
-async def _cpu_per(svc: Service, concurrency: int, requests: int, max_tokens: int) -> float:
-    """CPU seconds of the serving process per request for this load."""
+async def _cpu_per(
+    svc: Service, concurrency: int, requests: int, max_tokens: int, key: str | None = None
+) -> float:
+    """CPU seconds of the serving process per request for this load (`key`: its API key)."""
     before = cpu_seconds(svc.pid)
     await run_load(
         svc.url + "/v1",
@@ -65,6 +70,7 @@ async def _cpu_per(svc: Service, concurrency: int, requests: int, max_tokens: in
         requests=requests,
         max_tokens=max_tokens,
         prompt_tokens=32,
+        api_key=key,
     )
     return (cpu_seconds(svc.pid) - before) / requests
 
@@ -115,13 +121,13 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         redis = stack.enter_context(RedisServer()) if args.redis else None
 
         def shared(name: str) -> Path | None:
-            """With --redis, a config keeping the gateway's buckets in the one redis-server,
-            under keys of its own."""
-            if redis is None:
-                return None
-            store = f"{{url: '{redis.url}', key_prefix: {name}}}"
-            text = f"limits: {{backend: redis, redis: {store}}}\n"
-            return config_file(f"relay-cost-redis-{name}", text)
+            """The gateway's config: with --redis its buckets in the one redis-server, under
+            keys of its own; with --key-quotas auth on and a quota per key."""
+            text = KEY_QUOTAS if args.key_quotas else ""
+            if redis is not None:
+                store = f"{{url: '{redis.url}', key_prefix: {name}}}"
+                text += f"limits: {{backend: redis, redis: {store}}}\n"
+            return config_file(f"relay-cost-{name}", text) if text else None
 
         for mode in args.tracing:
             env = _tracing_env(mode, receiver)
@@ -136,16 +142,17 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         if args.features_off:
             off = gateway(sim.url, config=features_off_config())
             targets["tokenpipe-off"] = stack.enter_context(off)
+        key = BENCH_KEY if args.key_quotas else None
         for svc in targets.values():  # warm-up: connections, caches, estimators
-            await _cpu_per(svc, args.concurrency, args.concurrency * 2, 4)
+            await _cpu_per(svc, args.concurrency, args.concurrency * 2, 4, key)
         per_request: dict[str, list[float]] = {name: [] for name in targets}
         per_token: dict[str, list[float]] = {name: [] for name in targets}
         for r in range(args.rounds):
             order = list(targets.items())[r % 2 :] + list(targets.items())[: r % 2]
             for name, svc in order:
                 print(f"  round {r + 1}/{args.rounds} {name}", flush=True)
-                req = await _cpu_per(svc, args.concurrency, args.short_requests, 1)
-                long = await _cpu_per(svc, args.concurrency, args.long_requests, args.tokens)
+                req = await _cpu_per(svc, args.concurrency, args.short_requests, 1, key)
+                long = await _cpu_per(svc, args.concurrency, args.long_requests, args.tokens, key)
                 per_request[name].append(req * 1e6)
                 per_token[name].append(max(0.0, long - req) / args.tokens * 1e6)
         rows: list[dict[str, Any]] = []
@@ -215,6 +222,11 @@ def main() -> None:
         "--ratelimit-headers",
         action="store_true",
         help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
+    )
+    p.add_argument(
+        "--key-quotas",
+        action="store_true",
+        help="auth on (the requests carry its one key) and a per-key quota far above the load",
     )
     p.add_argument(
         "--redis",

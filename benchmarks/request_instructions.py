@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import re
 import shutil
 import subprocess
@@ -61,6 +60,8 @@ from typing import Any
 from _common import (
     ACCESS_LOG_ARGS,
     API_PATHS,
+    BENCH_KEY,
+    KEY_QUOTAS,
     RATELIMIT_HEADERS_SIM,
     READING_RELAY,
     RELAY,
@@ -148,9 +149,10 @@ def _by_function(path: Path) -> dict[str, tuple[int, str]]:
 class Counted:
     """One target under callgrind, with its dumps numbered from 1 in `folder`."""
 
-    def __init__(self, svc: Service, folder: Path) -> None:
+    def __init__(self, svc: Service, folder: Path, api_key: str | None = None) -> None:
         self.svc = svc
         self.folder = folder
+        self.api_key = api_key  # (the waking request's, with --key-quotas)
         self.dumps = 0
 
     async def _control(self, *args: str) -> None:
@@ -163,7 +165,7 @@ class Counted:
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
         )
-        await one_token_requests(self.svc, 1, 1)
+        await one_token_requests(self.svc, 1, 1, api_key=self.api_key)
         if await asyncio.wait_for(cmd.wait(), 120) != 0:
             raise RuntimeError(
                 f"callgrind_control {' '.join(args)} failed for pid {self.svc.pid}:"
@@ -179,16 +181,6 @@ class Counted:
         self.dumps += 1
         return self.folder / f"cg.out.{self.dumps}"
 
-
-#: `--key-quotas`: the key the requests carry (the relays ignore it) and the gateways' config.
-BENCH_KEY = "sk-bench-key"
-KEY_QUOTAS = f"""auth:
-  api_keys:
-    - name: bench
-      sha256: {hashlib.sha256(BENCH_KEY.encode()).hexdigest()}
-keys:
-  "*": {{rpm: 100000000, tpm: 100000000000}}
-"""
 
 #: The gateways' environment per `--otlp`: where the OTLP/HTTP receiver is named ({url}).
 OTLP_ENV = {
@@ -224,9 +216,10 @@ async def _target(
         with gateway_under(
             sim_url, src, prefix, env, timeout=300, upstream=upstream, serve_args=logs
         ) as svc:
-            counted = Counted(svc, folder)
+            key = BENCH_KEY if args.key_quotas else None
+            counted = Counted(svc, folder, key)
             shape = {"api": api, "model": args.model, "messages": args.messages}
-            shape["api_key"] = BENCH_KEY if args.key_quotas else None
+            shape["api_key"] = key
             if args.whole:  # non-streamed answers (chat), counted as the streamed ones are
                 shape_whole = {"model": args.model}
 
@@ -261,6 +254,7 @@ async def _target(
                         max_tokens=args.tokens,
                         prompt_tokens=32,
                         api=api,
+                        api_key=key,
                     )
                     path = await counted.dump()
                     # The request that woke the dump was a 1-token one: its count is taken out.
