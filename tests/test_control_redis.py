@@ -15,7 +15,7 @@ import redis
 from tests.redis_server import RedisServer
 from tokenpipe.clock import ManualClock
 from tokenpipe.control.redis_backend import RedisStore
-from tokenpipe.control.store import Limits, Spec
+from tokenpipe.control.store import Decision, Limits, Spec
 from tokenpipe.observe import metrics
 
 # Slow refill, so the few milliseconds a test takes do not add a whole unit.
@@ -169,6 +169,16 @@ async def _started(server: RedisServer, prefix: str, clock: ManualClock) -> Redi
     return s
 
 
+async def _seen_by_another(server: RedisServer, prefix: str, scope: str) -> Decision:
+    """What a replica with no lease (unstarted) finds in the scope: its reservation of one
+    request and 0 tokens, which takes that one request."""
+    other = RedisStore(server.url, prefix=prefix, timeout=2.0)
+    try:
+        return await other.reserve(scope, ROOMY, 0)
+    finally:
+        await other.close()
+
+
 async def test_a_started_store_grants_from_a_lease_without_asking_redis(
     redis_server: RedisServer,
 ) -> None:
@@ -190,13 +200,9 @@ async def test_a_started_store_grants_from_a_lease_without_asking_redis(
         assert _evalsha(redis_server) - before == 2
     finally:
         await s.close()
-    other = RedisStore(redis_server.url, prefix="l1", timeout=2.0)  # unstarted: no lease
-    try:  # 21 sent, nothing held: the bucket has the rest (reserving 0 tokens takes none)
-        d = await other.reserve("up:x", ROOMY, 0)
-        assert d.remaining_requests == pytest.approx(100 - 22, abs=0.01)
-        assert d.remaining_tokens == pytest.approx(100_000 - 2_100, abs=1)
-    finally:
-        await other.close()
+    d = await _seen_by_another(redis_server, "l1", "up:x")  # 21 sent, nothing held
+    assert d.remaining_requests == pytest.approx(100 - 22, abs=0.01)
+    assert d.remaining_tokens == pytest.approx(100_000 - 2_100, abs=1)
 
 
 async def test_leasing_replicas_never_grant_more_than_the_bucket_holds(
@@ -252,8 +258,7 @@ async def test_a_pause_from_another_replica_holds_a_lease_holder_once_its_lease_
         assert (await a.reserve("up:p", ROOMY, 10)).wait == 0.0  # within its lease
         clock.advance(0.051)
         assert (await a.reserve("up:p", ROOMY, 10)).wait > 29
-        await a.pause("up:q", 0)  # (its own 429: below, the lease ends at once)
-        await a.reserve("up:r", ROOMY, 10)
+        await a.reserve("up:r", ROOMY, 10)  # a lease on another scope; then its own 429
         await a.pause("up:r", 30)
         assert (await a.reserve("up:r", ROOMY, 10)).wait > 29
     finally:
@@ -274,13 +279,10 @@ async def test_corrections_go_into_a_held_lease_and_back_to_redis_with_it(
         assert _evalsha(redis_server) - before == 0
     finally:
         await s.close()
-    other = RedisStore(redis_server.url, prefix="l5", timeout=2.0)
-    try:  # 1,000 and 100 used; the lease's rest and the 4,000 back in the bucket
-        d = await other.reserve("up:c", ROOMY, 0)
-        assert d.remaining_tokens == pytest.approx(100_000 - 1_100, abs=1)
-        assert d.remaining_requests == pytest.approx(100 - 3, abs=0.01)
-    finally:
-        await other.close()
+    d = await _seen_by_another(redis_server, "l5", "up:c")
+    # 1,000 and 100 used; the lease's rest and the 4,000 back in the bucket
+    assert d.remaining_tokens == pytest.approx(100_000 - 1_100, abs=1)
+    assert d.remaining_requests == pytest.approx(100 - 3, abs=0.01)
 
 
 async def test_closing_a_store_while_redis_hangs_returns_within_its_bound(
