@@ -10,6 +10,7 @@ limit starts at `limits.initial_concurrency`, 32).
     python benchmarks/burst.py --sim-max-active 200  # a sim with 200 slots, refusing past them
     python benchmarks/burst.py --sim-rpm 15000       # a sim with a quota: 500 at once, 250/s
     python benchmarks/burst.py --workers 2           # serve --workers 2 (both gateways)
+    python benchmarks/burst.py --redis --base ../base/src   # limits shared through Redis
     python benchmarks/burst.py --upstream-host localhost   # the sim by name: DNS per connect
     python benchmarks/burst.py --rounds 1 --profile results/burst_profile.txt
 
@@ -55,9 +56,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import statistics
+import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -69,6 +72,7 @@ from _common import (
     ROOT,
     RssPeak,
     bare_relay,
+    config_file,
     cpu_seconds,
     fmt,
     gateway,
@@ -80,6 +84,9 @@ from _common import (
 from profile_request import analyse
 from yarl import URL
 
+sys.path.insert(0, str(ROOT))  # tests/ (the redis-server of --redis)
+
+from tests.redis_server import RedisServer
 from tokenpipe.bench import run_load
 from tokenpipe.bench.procs import Service
 from tokenpipe.serving import install_uvloop
@@ -142,6 +149,9 @@ def _limiter_wait(text: str) -> tuple[float, float, float]:
     return total, count, zero
 
 
+#: Numbers each burst's keys in the redis-server of `--redis`.
+_BURSTS = itertools.count()
+
 #: The target that is the bare relay in a run's targets (no src: it is benchmarks/').
 RELAY = "relay"
 #: The target that is nginx as a streaming proxy (_nginx.proxy): a compiled hop.
@@ -170,7 +180,11 @@ def _target(
     # --upstream-host: the gateway reaches the sim by that name (a lookup per connection
     # unless cached), not by its IP literal.
     upstream = str(URL(sim.url).with_host(args.upstream_host)) if args.upstream_host else sim.url
-    with gateway(upstream, src=src, workers=args.workers) as gw:
+    config = None
+    if args.redis_url:  # its buckets in the redis-server, under keys of this burst alone
+        store = f"{{url: '{args.redis_url}', key_prefix: burst{next(_BURSTS)}}}"
+        config = config_file("burst-redis", f"limits: {{backend: redis, redis: {store}}}\n")
+    with gateway(upstream, src=src, workers=args.workers, config=config) as gw:
         if args.pin:
             pin(gw.pid, 0)
         yield gw.url, gw
@@ -313,7 +327,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.nginx:
         targets[NGINX] = None
     rounds: dict[str, list[Round]] = {}
-    with Service("sim", "--port", "0", *sim_args, name="sim") as sim:
+    with contextlib.ExitStack() as stack:
+        args.redis_url = stack.enter_context(RedisServer()).url if args.redis else None
+        sim = stack.enter_context(Service("sim", "--port", "0", *sim_args, name="sim"))
         if args.pin:  # the gateways on CPU 0 (_target); the sim and this process on 1
             pin(sim.pid, 1)
             pin(os.getpid(), 1)
@@ -377,6 +393,12 @@ def main() -> None:
     p.add_argument("--base", type=src_dir, help="src directory of a checkout to compare against")
     p.add_argument(
         "--workers", type=int, default=1, help="gateway processes (tokenpipe serve --workers N)"
+    )
+    p.add_argument(
+        "--redis",
+        action="store_true",
+        help="the gateways keep their buckets in a redis-server (limits.backend: redis),"
+        " fresh keys each burst",
     )
     p.add_argument(
         "--upstream-host",

@@ -362,3 +362,43 @@ async def test_a_client_leaving_mid_decision_is_not_taken_for_redis_failing(
         assert metrics.REGISTRY.get_sample_value("tokenpipe_limits_redis_fallback") != 1
     finally:
         await s.close()
+
+
+async def test_a_burst_waits_for_the_one_lease_on_its_way_instead_of_asking_redis(
+    redis_server: RedisServer,
+) -> None:
+    """30 reservations at once, no lease yet: the first asks Redis for one (37 requests, a
+    half of what is above a quarter of 100), the other 29 wait for it and take from it."""
+    clock = ManualClock()
+    s = await _started(redis_server, "l9", clock)
+    try:
+        await s.reserve("up:warm", ROOMY, 0)
+        before = _evalsha(redis_server)
+        decisions = await asyncio.gather(*(s.reserve("up:b", ROOMY, 10) for _ in range(30)))
+        assert _evalsha(redis_server) - before == 1
+        assert all(d.wait == 0.0 for d in decisions)
+        assert sorted(d.seq_requests for d in decisions) == [float(i) for i in range(1, 31)]
+    finally:
+        await s.close()
+
+
+async def test_corrections_to_one_scope_in_a_row_go_to_redis_as_one(
+    redis_server: RedisServer,
+) -> None:
+    s = await _started(redis_server, "l10", ManualClock())
+    other = RedisStore(redis_server.url, prefix="l10", timeout=2.0)
+    levels = redis.Redis(port=redis_server.port)
+    loop = asyncio.get_running_loop()
+    try:
+        await other.reserve("up:g", ROOMY, 50_000)  # half the tokens; s holds no lease there
+        before = _evalsha(redis_server)
+        for _ in range(10):
+            s.give("up:g", ROOMY, 0, 1_000)
+        deadline = loop.time() + 5
+        while float(levels.hget("l10:up:g", "tl") or 0) < 59_999:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)  # polling a condition with a deadline
+        assert _evalsha(redis_server) - before == 1
+    finally:
+        await s.close()
+        await other.close()

@@ -47,6 +47,9 @@ REPLICA_TTL = 5.0
 #: next answer's headers correct levels anyway, so losing one costs a little accuracy,
 #: never correctness).
 MAX_PENDING = 10_000
+#: Leases a request waits for, one after another, before it asks Redis itself (a burst
+#: that spends each lease as it lands; each wait is bounded by the asker's Redis timeouts).
+LEASE_WAITS = 4
 #: Leases held at once (one a scope: upstreams and API keys); past it the oldest goes back.
 MAX_LEASES = 10_000
 #: Connections to Redis per process; a decision that finds none free within the timeout
@@ -142,7 +145,8 @@ class RedisStore:
         self._tasks: list[asyncio.Task[None]] = []
         #: Scopes' leases (`lease.py`): at most MAX_LEASES.
         self._leases: dict[str, Lease] = {}
-        self._leasing: set[str] = set()  # scopes whose lease is being asked for
+        #: Scopes whose lease is being asked for: done when the answer is in.
+        self._leasing: dict[str, asyncio.Future[None]] = {}
         self.clock = clock
 
     def _key(self, scope: str) -> str:
@@ -159,23 +163,36 @@ class RedisStore:
                 max(1, self.replicas),
             )
 
-    async def reserve(self, scope: str, limits: Limits, tokens: float) -> Decision:
+    def _from_lease(self, scope: str, limits: Limits, tokens: float) -> Decision | None:
         lease = self._leases.get(scope)
+        if lease is not None and lease.limits is limits and self.clock.now() < lease.until:
+            return lease.take(tokens)
+        return None
+
+    async def reserve(self, scope: str, limits: Limits, tokens: float) -> Decision:
+        if (d := self._from_lease(scope, limits, tokens)) is not None:
+            return d
+        # A lease on its way: wait for it, then take from it (a burst's requests would each
+        # ask Redis meanwhile). A few turns at most: then this request asks Redis itself.
+        for _ in range(LEASE_WAITS):
+            asking = self._leasing.get(scope)
+            if asking is None:
+                break
+            await asyncio.shield(asking)
+            if (d := self._from_lease(scope, limits, tokens)) is not None:
+                return d
         back_r = back_t = 0.0
-        if lease is not None:
-            if lease.limits is limits and self.clock.now() < lease.until:
-                d = lease.take(tokens)
-                if d is not None:
-                    return d
+        if (lease := self._leases.get(scope)) is not None:
             self._end(scope, lease)  # spent, old or for other limits: what is left goes back
             back_r, back_t = lease.left()
         if self.healthy:
             # A lease only for a started store (its flush task gives back what one leaves),
-            # and one asked for at a time: the requests that come meanwhile ask for none.
+            # and one asked for at a time: the requests that come meanwhile wait for it (the
+            # asker's call is bounded by Redis' timeouts, and so is their wait).
             share = 0.0
             if self._tasks and scope not in self._leasing:
                 share = 0.5 / max(1, self.replicas)
-                self._leasing.add(scope)
+                self._leasing[scope] = asyncio.get_running_loop().create_future()
             try:
                 call = self._reserve(
                     keys=[self._key(scope)],
@@ -202,7 +219,7 @@ class RedisStore:
                 log.warning("redis answered a malformed decision for %s (%s)", scope, e)
             finally:
                 if share:
-                    self._leasing.discard(scope)
+                    self._leasing.pop(scope).set_result(None)
         return self.fallback.reserve_now(scope, limits, tokens)
 
     async def _shielded(
@@ -228,9 +245,7 @@ class RedisStore:
         except (ValueError, TypeError):
             return
         if d.wait == 0.0 and self.healthy:
-            taken = [1.0 + max(0.0, lease_r), tokens + max(0.0, lease_t)]
-            self._pending.append((self._give, scope, [*_spec_args(limits), *taken]))
-            self._flush_now.set()
+            self._queue_give(scope, limits, 1.0 + max(0.0, lease_r), tokens + max(0.0, lease_t))
 
     def _lease(self, scope: str, lease: Lease) -> None:
         held = self._leases.get(scope)
@@ -256,8 +271,7 @@ class RedisStore:
         self._end(scope, lease)
         r, t = lease.left()
         if (r or t) and self.healthy:
-            self._pending.append((self._give, scope, [*_spec_args(lease.limits), r, t]))
-            self._flush_now.set()
+            self._queue_give(scope, lease.limits, r, t)
 
     def _expire(self, scope: str, lease: Lease) -> None:
         """LEASE_S after it was taken, with no request since to ask Redis and give it back.
@@ -337,7 +351,20 @@ class RedisStore:
         if not self.healthy:
             self.fallback.give(scope, limits, requests, tokens)
             return
-        self._pending.append((self._give, scope, [*_spec_args(limits), requests, tokens]))
+        self._queue_give(scope, limits, requests, tokens)
+
+    def _queue_give(self, scope: str, limits: Limits, requests: float, tokens: float) -> None:
+        """Queued for the flush task; added to the last queued item when that is a give to
+        the same scope's buckets (a burst's corrections: one script, not one each). Only
+        the last: a give does not move past a learned level, which it would change."""
+        args: list[str | float] = [*_spec_args(limits), requests, tokens]
+        if self._pending:
+            script, last_scope, last = self._pending[-1]
+            if script is self._give and last_scope == scope and last[:4] == args[:4]:
+                last[4] = float(last[4]) + requests
+                last[5] = float(last[5]) + tokens
+                return
+        self._pending.append((self._give, scope, args))
         self._flush_now.set()
 
     # -- background: corrections, heartbeats, reconnection -------------------------------
