@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
+from tokenpipe.clock import Clock
 from tokenpipe.control.store import Decision, Limits
 
 #: Seconds a lease may grant requests; then its units left go back to Redis.
@@ -104,3 +106,108 @@ class Lease:
             self.requests if self.limits.requests is not None else 0.0,
             self.tokens if self.limits.tokens is not None else 0.0,
         )
+
+
+#: Leases a request waits for, one after another, before it asks Redis itself (a burst
+#: that spends each lease as it lands; each wait is bounded by the asker's Redis timeouts).
+LEASE_WAITS = 4
+#: Leases held at once (one a scope: upstreams and API keys); past it the oldest goes back.
+MAX_LEASES = 10_000
+
+
+class Leases:
+    """A store's leases, one a scope; the asks for one on their way; and the timers that
+    give back what a lease left when no request asked Redis after it. `give_back(scope,
+    limits, requests, tokens)` sends a lease's units left to Redis."""
+
+    def __init__(
+        self, clock: Clock, give_back: Callable[[str, Limits, float, float], None]
+    ) -> None:
+        self.clock = clock
+        self._give_back = give_back
+        self._held: dict[str, Lease] = {}  # at most MAX_LEASES
+        self._asking: dict[str, asyncio.Future[None]] = {}  # done when the answer is in
+
+    def take(self, scope: str, limits: Limits, tokens: float) -> Decision | None:
+        """A grant from the scope's lease, or None (none held, over, for other limits, or
+        it does not hold the request)."""
+        lease = self._held.get(scope)
+        if lease is not None and lease.limits is limits and self.clock.now() < lease.until:
+            return lease.take(tokens)
+        return None
+
+    async def wait(self, scope: str, limits: Limits, tokens: float) -> Decision | None:
+        """A grant from a lease that was on its way (a burst's requests would each ask
+        Redis meanwhile); LEASE_WAITS in turn at most, then None."""
+        for _ in range(LEASE_WAITS):
+            asking = self._asking.get(scope)
+            if asking is None:
+                return None
+            await asyncio.shield(asking)
+            if (d := self.take(scope, limits, tokens)) is not None:
+                return d
+        return None
+
+    def ask(self, scope: str) -> bool:
+        """True: the caller asks for the scope's lease (none is on its way); it calls
+        `asked` once the answer is in, whatever it was."""
+        if scope in self._asking:
+            return False
+        self._asking[scope] = asyncio.get_running_loop().create_future()
+        return True
+
+    def asked(self, scope: str) -> None:
+        self._asking.pop(scope).set_result(None)
+
+    def hold(self, scope: str, lease: Lease) -> None:
+        if scope in self._held:  # (a reserve ended it before asking; kept safe all the same)
+            self.release(scope)
+        elif len(self._held) >= MAX_LEASES:  # bound: the oldest goes back first
+            self.release(next(iter(self._held)))
+        self._held[scope] = lease
+        lease.timer = asyncio.get_running_loop().call_later(LEASE_S, self._expire, scope, lease)
+
+    def end(self, scope: str) -> tuple[float, float]:
+        """Ends the scope's lease; what it left, for the caller to give back (0, 0: none)."""
+        lease = self._held.pop(scope, None)
+        if lease is None:
+            return 0.0, 0.0
+        if lease.timer is not None:
+            lease.timer.cancel()
+            lease.timer = None
+        return lease.left()
+
+    def release(self, scope: str) -> None:
+        """Ends the scope's lease and gives back what it left."""
+        lease = self._held.get(scope)
+        if lease is not None:
+            r, t = self.end(scope)
+            if r or t:
+                self._give_back(scope, lease.limits, r, t)
+
+    def release_all(self) -> None:
+        for scope in list(self._held):
+            self.release(scope)
+
+    def give(self, scope: str, limits: Limits, requests: float, tokens: float) -> bool:
+        """Units given back (negative: charged) go into the scope's lease when one is held
+        under these limits (True); they go back to Redis with it."""
+        lease = self._held.get(scope)
+        if lease is None or lease.limits is not limits:
+            return False
+        lease.give(requests, tokens)
+        return True
+
+    def _expire(self, scope: str, lease: Lease) -> None:
+        """LEASE_S after it was taken, with no request since to ask Redis and give it back.
+        The clock says when it ends (the timer only wakes this up): a test's clock that
+        stands still keeps the lease."""
+        lease.timer = None
+        if self._held.get(scope) is not lease:
+            return
+        left = lease.until - self.clock.now()
+        if left > 0.0:
+            loop = asyncio.get_running_loop()
+            lease.timer = loop.call_later(min(left, LEASE_S), self._expire, scope, lease)
+        else:
+            self.release(scope)

@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 
 from tokenpipe.clock import MONOTONIC, Clock
 from tokenpipe.control.bounds import MAX_PAUSE, finite
-from tokenpipe.control.lease import LEASE_MAX_REQUESTS, LEASE_S, Lease
+from tokenpipe.control.lease import LEASE_MAX_REQUESTS, LEASE_S, Lease, Leases
 from tokenpipe.control.redis_scripts import GIVE, LEARN, PAUSE, RESERVE
 from tokenpipe.control.store import Decision, Limits, MemoryStore
 from tokenpipe.observe import metrics
@@ -47,11 +47,6 @@ REPLICA_TTL = 5.0
 #: next answer's headers correct levels anyway, so losing one costs a little accuracy,
 #: never correctness).
 MAX_PENDING = 10_000
-#: Leases a request waits for, one after another, before it asks Redis itself (a burst
-#: that spends each lease as it lands; each wait is bounded by the asker's Redis timeouts).
-LEASE_WAITS = 4
-#: Leases held at once (one a scope: upstreams and API keys); past it the oldest goes back.
-MAX_LEASES = 10_000
 #: Connections to Redis per process; a decision that finds none free within the timeout
 #: falls back to the local share.
 MAX_CONNECTIONS = 64
@@ -143,10 +138,7 @@ class RedisStore:
         self._flush_now = asyncio.Event()
         self._closing = False  # close() asked the flush task to send what is queued and stop
         self._tasks: list[asyncio.Task[None]] = []
-        #: Scopes' leases (`lease.py`): at most MAX_LEASES.
-        self._leases: dict[str, Lease] = {}
-        #: Scopes whose lease is being asked for: done when the answer is in.
-        self._leasing: dict[str, asyncio.Future[None]] = {}
+        self._leases = Leases(clock, self._lease_left)
         self.clock = clock
 
     def _key(self, scope: str) -> str:
@@ -163,36 +155,21 @@ class RedisStore:
                 max(1, self.replicas),
             )
 
-    def _from_lease(self, scope: str, limits: Limits, tokens: float) -> Decision | None:
-        lease = self._leases.get(scope)
-        if lease is not None and lease.limits is limits and self.clock.now() < lease.until:
-            return lease.take(tokens)
-        return None
-
     async def reserve(self, scope: str, limits: Limits, tokens: float) -> Decision:
-        if (d := self._from_lease(scope, limits, tokens)) is not None:
+        leases = self._leases
+        if (d := leases.take(scope, limits, tokens)) is not None:
             return d
-        # A lease on its way: wait for it, then take from it (a burst's requests would each
-        # ask Redis meanwhile). A few turns at most: then this request asks Redis itself.
-        for _ in range(LEASE_WAITS):
-            asking = self._leasing.get(scope)
-            if asking is None:
-                break
-            await asyncio.shield(asking)
-            if (d := self._from_lease(scope, limits, tokens)) is not None:
-                return d
-        back_r = back_t = 0.0
-        if (lease := self._leases.get(scope)) is not None:
-            self._end(scope, lease)  # spent, old or for other limits: what is left goes back
-            back_r, back_t = lease.left()
+        if (d := await leases.wait(scope, limits, tokens)) is not None:
+            return d
+        # A lease spent, old or for other limits: what it left goes back with this ask.
+        back_r, back_t = leases.end(scope)
         if self.healthy:
             # A lease only for a started store (its flush task gives back what one leaves),
             # and one asked for at a time: the requests that come meanwhile wait for it (the
             # asker's call is bounded by Redis' timeouts, and so is their wait).
             share = 0.0
-            if self._tasks and scope not in self._leasing:
+            if self._tasks and leases.ask(scope):
                 share = 0.5 / max(1, self.replicas)
-                self._leasing[scope] = asyncio.get_running_loop().create_future()
             try:
                 call = self._reserve(
                     keys=[self._key(scope)],
@@ -210,7 +187,7 @@ class RedisStore:
                 d, lease_r, lease_t = _decision(res)
                 if lease_r >= 0.0:
                     until = self.clock.now() + LEASE_S
-                    self._lease(scope, Lease(limits, d, lease_r, lease_t, until))
+                    leases.hold(scope, Lease(limits, d, lease_r, lease_t, until))
                 return d
             except (TimeoutError, RedisError, OSError) as e:
                 _reraise_cancel()  # the client left: not a sign that Redis is down
@@ -219,7 +196,7 @@ class RedisStore:
                 log.warning("redis answered a malformed decision for %s (%s)", scope, e)
             finally:
                 if share:
-                    self._leasing.pop(scope).set_result(None)
+                    leases.asked(scope)
         return self.fallback.reserve_now(scope, limits, tokens)
 
     async def _shielded(
@@ -247,45 +224,11 @@ class RedisStore:
         if d.wait == 0.0 and self.healthy:
             self._queue_give(scope, limits, 1.0 + max(0.0, lease_r), tokens + max(0.0, lease_t))
 
-    def _lease(self, scope: str, lease: Lease) -> None:
-        held = self._leases.get(scope)
-        if held is not None:  # (a reserve ended it before asking; kept safe all the same)
-            self._give_back(scope, held)
-        elif len(self._leases) >= MAX_LEASES:  # bound: the oldest goes back first
-            oldest = next(iter(self._leases))
-            self._give_back(oldest, self._leases[oldest])
-        self._leases[scope] = lease
-        lease.timer = asyncio.get_running_loop().call_later(LEASE_S, self._expire, scope, lease)
-
-    def _end(self, scope: str, lease: Lease) -> None:
-        """The lease stops granting (what it left is the caller's to give back)."""
-        if self._leases.get(scope) is lease:
-            del self._leases[scope]
-        if lease.timer is not None:
-            lease.timer.cancel()
-            lease.timer = None
-
-    def _give_back(self, scope: str, lease: Lease) -> None:
-        """Ends the lease and sends what it left to Redis (with the flush's next batch).
-        Redis down: dropped, with the shared buckets it belongs to."""
-        self._end(scope, lease)
-        r, t = lease.left()
-        if (r or t) and self.healthy:
-            self._queue_give(scope, lease.limits, r, t)
-
-    def _expire(self, scope: str, lease: Lease) -> None:
-        """LEASE_S after it was taken, with no request since to ask Redis and give it back.
-        The store's clock says when it ends (the timer only wakes this up): a test's
-        clock that stands still keeps the lease."""
-        lease.timer = None
-        if self._leases.get(scope) is not lease:
-            return
-        left = lease.until - self.clock.now()
-        if left > 0.0:
-            loop = asyncio.get_running_loop()
-            lease.timer = loop.call_later(min(left, LEASE_S), self._expire, scope, lease)
-        else:
-            self._give_back(scope, lease)
+    def _lease_left(self, scope: str, limits: Limits, requests: float, tokens: float) -> None:
+        """What a lease left, to Redis with the flush's next batch (Redis down: dropped, with
+        the shared buckets it belongs to)."""
+        if self.healthy:
+            self._queue_give(scope, limits, requests, tokens)
 
     async def learn(
         self,
@@ -304,10 +247,7 @@ class RedisStore:
         # This replica's lease ends here: the level learned counts its units as sent after
         # `since`; what it left goes back in the same script, so the level is what was stated
         # less what was really sent after `since` (another replica's lease: within LEASE_S).
-        back_r = back_t = 0.0
-        if (lease := self._leases.get(scope)) is not None:
-            self._end(scope, lease)
-            back_r, back_t = lease.left()
+        back_r, back_t = self._leases.end(scope)
         if self.healthy:
             args: list[str | float] = [
                 *_spec_args(limits),
@@ -334,8 +274,7 @@ class RedisStore:
     async def pause(self, scope: str, seconds: float) -> None:
         seconds = min(seconds, MAX_PAUSE) if seconds > 0 else 0.0  # NaN: no pause
         self.fallback.pause_now(scope, seconds)  # kept locally too, for a fallback to honour
-        if (lease := self._leases.get(scope)) is not None:  # grants nothing more
-            self._give_back(scope, lease)
+        self._leases.release(scope)  # its lease grants nothing more
         if self.healthy:
             try:
                 await self._pause(keys=[self._key(scope)], args=[seconds])
@@ -344,9 +283,7 @@ class RedisStore:
                 self._down(e)
 
     def give(self, scope: str, limits: Limits, requests: float, tokens: float) -> None:
-        lease = self._leases.get(scope)
-        if lease is not None and lease.limits is limits:  # goes back with the lease
-            lease.give(requests, tokens)
+        if self._leases.give(scope, limits, requests, tokens):  # back with the lease
             return
         if not self.healthy:
             self.fallback.give(scope, limits, requests, tokens)
@@ -420,8 +357,7 @@ class RedisStore:
         self._tasks = [loop.create_task(self._watch()), loop.create_task(self._flush())]
 
     async def close(self) -> None:
-        for scope, lease in list(self._leases.items()):  # what leases left goes back now
-            self._give_back(scope, lease)
+        self._leases.release_all()  # what leases left goes back now
         if self._tasks:
             # The flush task sends what is queued and returns (cancelled inside a pipeline,
             # redis-py may swallow the cancel); the heartbeat stops now. Bounded either way.
