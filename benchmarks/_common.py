@@ -294,6 +294,12 @@ def add_request_shape(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
     )
+    p.add_argument(
+        "--key-quotas",
+        action="store_true",
+        help="auth on (the requests carry its one key) and a per-key quota far above the load"
+        " (keys: '*': rpm, tpm): admission reserves from the key's buckets too",
+    )
 
 
 def upstream_args(kind: str, sim_url: str) -> list[str]:

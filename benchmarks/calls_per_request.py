@@ -44,10 +44,13 @@ from typing import Any
 
 from _common import (
     API_PATHS,
+    BENCH_KEY,
+    KEY_QUOTAS,
     RATELIMIT_HEADERS_SIM,
     RELAY,
     ROOT,
     add_request_shape,
+    config_file,
     gateway_under,
     one_token_requests,
     sim_models,
@@ -75,13 +78,15 @@ async def _load(svc: Service, requests: int, args: Any) -> None:
             model=args.model,
             messages=args.messages,
             api=API_PATHS[args.path][0],
+            api_key=BENCH_KEY if args.key_quotas else None,
         )
 
 
 def _gateway(sim_url: str, src: str | None, prefix: list[str], args: Any, **env: str) -> Service:
     """The target under `prefix`, its upstream the sim as `--path` has it."""
     upstream = upstream_args(API_PATHS[args.path][1], sim_url)
-    return gateway_under(sim_url, src, prefix, env or None, upstream=upstream)
+    keys = ("--config", str(config_file("calls-keys", KEY_QUOTAS))) if args.key_quotas else ()
+    return gateway_under(sim_url, src, prefix, env or None, upstream=upstream, serve_args=keys)
 
 
 def _name(key: tuple[str, int, str]) -> str:

@@ -353,7 +353,7 @@ def main() -> None:
     p.add_argument(
         "--prompt", type=int, default=32, help="the measured requests' prompt, in tokens"
     )
-    add_request_shape(p)  # --path, --messages, --model, --ratelimit-headers
+    add_request_shape(p)  # --path, --messages, --model, --ratelimit-headers, --key-quotas
     p.add_argument("--tokens", type=int, default=0, help="tokens of the long requests (0: none)")
     p.add_argument("--long-requests", type=int, default=20, help="long requests a round")
     p.add_argument(
@@ -384,12 +384,6 @@ def main() -> None:
         action="store_true",
         help="the gateways keep their buckets in a redis-server (limits.backend: redis; the"
         " relays have none)",
-    )
-    p.add_argument(
-        "--key-quotas",
-        action="store_true",
-        help="auth on (the requests carry its one key) and a per-key quota far above the load"
-        " (keys: '*': rpm, tpm): admission reserves from the key's buckets too",
     )
     p.add_argument(
         "--whole",
