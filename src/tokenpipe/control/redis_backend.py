@@ -171,6 +171,7 @@ class RedisStore:
             if self._tasks and leases.ask(scope):
                 share = 0.5 / max(1, self.replicas)
             try:
+                max_t = LEASE_MAX_REQUESTS * max(1.0, tokens)
                 call = self._reserve(
                     keys=[self._key(scope)],
                     args=[
@@ -180,12 +181,14 @@ class RedisStore:
                         back_t,
                         share,
                         LEASE_MAX_REQUESTS,
-                        LEASE_MAX_REQUESTS * max(1.0, tokens),
+                        max_t,
                     ],
                 )
                 res = await (self._shielded(call, scope, limits, tokens) if share else call)
                 d, lease_r, lease_t = _decision(res)
-                if lease_r >= 0.0:
+                if lease_r >= 0.0:  # (bounded here too: an answer is a peer's value)
+                    lease_r = lease_r if lease_r < LEASE_MAX_REQUESTS else LEASE_MAX_REQUESTS
+                    lease_t = lease_t if lease_t < max_t else max_t
                     until = self.clock.now() + LEASE_S
                     leases.hold(scope, Lease(limits, d, lease_r, lease_t, until))
                 return d
