@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis
 
 from tests import procs
 from tests.redis_server import RedisServer
@@ -198,3 +199,31 @@ async def test_an_upstream_429_pauses_that_upstream_for_its_retry_after(
     )
     assert float(samples['tokenpipe_upstream_429_total{upstream="upstream0"}']) == 1
     assert float(samples['tokenpipe_concurrency_limit{upstream="upstream0"}']) < 32
+
+
+async def test_a_gateway_sharing_redis_asks_it_once_a_lease_not_once_a_request(
+    sim: procs.Service, tmp_path: Path
+) -> None:
+    """Far from any limit, a gateway with its buckets in Redis grants most requests from a
+    lease: 80 requests, 8 at a time, run fewer than 40 scripts in Redis (2 here; without
+    leases 80, a reservation each)."""
+    with RedisServer() as server:
+        cfg = _config(tmp_path, f"limits:\n  backend: redis\n  redis: {{url: '{server.url}'}}\n")
+        with procs.gateway("--upstream", sim.url + "/v1", "--config", cfg) as g:
+            stats = redis.Redis(port=server.port)
+            async with aiohttp.ClientSession() as session:
+
+                async def one() -> int:
+                    url = g.url + "/v1/chat/completions"
+                    async with session.post(url, json={**BODY, "max_tokens": 1}) as r:
+                        await r.read()
+                        return r.status
+
+                await one()  # (Redis learns the scripts)
+                before = stats.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+                statuses: list[int] = []
+                for _ in range(10):
+                    statuses += await asyncio.gather(*(one() for _ in range(8)))
+                after = stats.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert statuses == [200] * 80
+    assert after - before < 40, after - before
