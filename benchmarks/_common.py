@@ -289,6 +289,12 @@ def add_request_shape(p: argparse.ArgumentParser) -> None:
         help="the requests' model (one with a known context window, e.g. gpt-4o-mini, "
         "turns the context budget on; the sim lists it)",
     )
+    add_deployment_options(p)
+
+
+def add_deployment_options(p: argparse.ArgumentParser) -> None:
+    """What a deployment adds to a request, as the CPU and counting benchmarks measure it:
+    an upstream stating its limits, and auth with a quota per key."""
     p.add_argument(
         "--ratelimit-headers",
         action="store_true",
@@ -300,6 +306,12 @@ def add_request_shape(p: argparse.ArgumentParser) -> None:
         help="auth on (the requests carry its one key) and a per-key quota far above the load"
         " (keys: '*': rpm, tpm): admission reserves from the key's buckets too",
     )
+
+
+def redis_limits(url: str, prefix: str) -> str:
+    """Config (YAML) keeping a gateway's buckets in the redis-server at `url`, under keys
+    of `prefix` (a gateway's own, so that none starts from another's levels)."""
+    return f"limits: {{backend: redis, redis: {{url: '{url}', key_prefix: {prefix}}}}}\n"
 
 
 def upstream_args(kind: str, sim_url: str) -> list[str]:

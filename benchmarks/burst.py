@@ -78,6 +78,7 @@ from _common import (
     gateway,
     pin,
     py_spy_recording,
+    redis_limits,
     src_dir,
     write_json,
 )
@@ -182,8 +183,7 @@ def _target(
     upstream = str(URL(sim.url).with_host(args.upstream_host)) if args.upstream_host else sim.url
     config = None
     if args.redis_url:  # its buckets in the redis-server, under keys of this burst alone
-        store = f"{{url: '{args.redis_url}', key_prefix: burst{next(_BURSTS)}}}"
-        config = config_file("burst-redis", f"limits: {{backend: redis, redis: {store}}}\n")
+        config = config_file("burst-redis", redis_limits(args.redis_url, f"burst{next(_BURSTS)}"))
     with gateway(upstream, src=src, workers=args.workers, config=config) as gw:
         if args.pin:
             pin(gw.pid, 0)

@@ -61,6 +61,7 @@ from _common import (
     gateway,
     idle_polling,
     pin,
+    redis_limits,
     src_dir,
     write_json,
 )
@@ -174,10 +175,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             """With --redis, a config whose buckets live in the one redis-server."""
             if redis is None:
                 return None
-            store = f"{{url: '{redis.url}', key_prefix: {prefix}}}"
-            return config_file(
-                f"c1-redis-{prefix}", f"limits: {{backend: redis, redis: {store}}}\n"
-            )
+            return config_file(f"c1-redis-{prefix}", redis_limits(redis.url, prefix))
 
         logs = ACCESS_LOG_ARGS if args.access_log else ()
         servers["tokenpipe"] = gateway(upstream.url, config=shared("tp"), serve_args=logs)

@@ -39,11 +39,13 @@ from _common import (
     KEY_QUOTAS,
     RATELIMIT_HEADERS_SIM,
     ROOT,
+    add_deployment_options,
     bare_relay,
     config_file,
     cpu_seconds,
     features_off_config,
     gateway,
+    redis_limits,
     write_json,
 )
 
@@ -125,8 +127,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             keys of its own; with --key-quotas auth on and a quota per key."""
             text = KEY_QUOTAS if args.key_quotas else ""
             if redis is not None:
-                store = f"{{url: '{redis.url}', key_prefix: {name}}}"
-                text += f"limits: {{backend: redis, redis: {store}}}\n"
+                text += redis_limits(redis.url, name)
             return config_file(f"relay-cost-{name}", text) if text else None
 
         for mode in args.tracing:
@@ -218,16 +219,7 @@ def main() -> None:
         "metrics (the GenAI metrics alone)",
     )
     p.add_argument("--base-src", help="add tokenpipe run from this src/ directory (PYTHONPATH)")
-    p.add_argument(
-        "--ratelimit-headers",
-        action="store_true",
-        help="the sim sends OpenAI's x-ratelimit-* headers on every answer (never limiting)",
-    )
-    p.add_argument(
-        "--key-quotas",
-        action="store_true",
-        help="auth on (the requests carry its one key) and a per-key quota far above the load",
-    )
+    add_deployment_options(p)  # --ratelimit-headers, --key-quotas
     p.add_argument(
         "--redis",
         action="store_true",

@@ -69,6 +69,7 @@ from _common import (
     config_file,
     gateway_under,
     one_token_requests,
+    redis_limits,
     sim_models,
     upstream_args,
     whole_answers,
@@ -295,8 +296,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {name}", flush=True)
             config = ""
             if redis is not None:  # the buckets in a redis-server: each target its own keys
-                store = f"{{url: '{redis.url}', key_prefix: target{i}}}"
-                config += f"limits: {{backend: redis, redis: {store}}}\n"
+                config += redis_limits(redis.url, f"target{i}")
             if args.key_quotas:  # auth on, one key, quotas far above the load
                 config += KEY_QUOTAS
             shared: tuple[str, ...] = ()
