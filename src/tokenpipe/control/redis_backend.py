@@ -82,26 +82,35 @@ def _num(s: bytes | str) -> float | None:
     return x
 
 
-def _decision(res: list[bytes]) -> tuple[Decision, float, float]:
-    """RESERVE's answer, checked (a malformed one raises ValueError, never a NaN wait): the
-    decision, as if no lease had been taken, and the units leased (-1: no lease)."""
+def _lease_tokens(tokens: float) -> float:
+    """The most tokens a lease taken by a request of `tokens` may hold."""
+    return LEASE_MAX_REQUESTS * max(1.0, tokens)
+
+
+def _decision(res: list[bytes], tokens: float) -> tuple[Decision, float, float]:
+    """RESERVE's answer to a request of `tokens`, checked (a malformed one raises
+    ValueError, never a NaN wait; a lease is bounded by the caps the script was given, as
+    any peer's value): the decision, as if no lease had been taken, and the units leased
+    (-1: no lease)."""
     wait, rs, ts, rl, tl, ep, lr, lt = res
     w = _num(wait) or 0.0
     if w < 0:
         raise ValueError("negative wait")
     lease_r, lease_t = _num(lr) or 0.0, _num(lt) or 0.0
+    held_r = held_t = 0.0  # what the lease took, counted back into the request's figures
+    if lease_r >= 0.0:
+        held_r = lease_r = lease_r if lease_r < LEASE_MAX_REQUESTS else LEASE_MAX_REQUESTS
+        cap = _lease_tokens(tokens)
+        held_t = lease_t = lease_t if lease_t < cap else cap
     level_r, level_t = _num(rl), _num(tl)
-    if lease_r >= 0.0:  # the request's own place in the count; the levels with the lease
-        d = Decision(
-            w,
-            (_num(rs) or 0.0) - lease_r,
-            (_num(ts) or 0.0) - lease_t,
-            None if level_r is None else level_r + lease_r,
-            None if level_t is None else level_t + lease_t,
-            int(ep),
-        )
-    else:
-        d = Decision(w, _num(rs) or 0.0, _num(ts) or 0.0, level_r, level_t, int(ep))
+    d = Decision(
+        w,
+        (_num(rs) or 0.0) - held_r,  # the request's own place in the count
+        (_num(ts) or 0.0) - held_t,
+        None if level_r is None else level_r + held_r,  # the levels with the lease in them
+        None if level_t is None else level_t + held_t,
+        int(ep),
+    )
     return d, lease_r, lease_t
 
 
@@ -171,7 +180,6 @@ class RedisStore:
             if self._tasks and leases.ask(scope):
                 share = 0.5 / max(1, self.replicas)
             try:
-                max_t = LEASE_MAX_REQUESTS * max(1.0, tokens)
                 call = self._reserve(
                     keys=[self._key(scope)],
                     args=[
@@ -181,14 +189,12 @@ class RedisStore:
                         back_t,
                         share,
                         LEASE_MAX_REQUESTS,
-                        max_t,
+                        _lease_tokens(tokens),
                     ],
                 )
                 res = await (self._shielded(call, scope, limits, tokens) if share else call)
-                d, lease_r, lease_t = _decision(res)
-                if lease_r >= 0.0:  # (bounded here too: an answer is a peer's value)
-                    lease_r = lease_r if lease_r < LEASE_MAX_REQUESTS else LEASE_MAX_REQUESTS
-                    lease_t = lease_t if lease_t < max_t else max_t
+                d, lease_r, lease_t = _decision(res, tokens)
+                if lease_r >= 0.0:
                     until = self.clock.now() + LEASE_S
                     leases.hold(scope, Lease(limits, d, lease_r, lease_t, until))
                 return d
@@ -221,7 +227,7 @@ class RedisStore:
         if f.cancelled() or f.exception() is not None:
             return
         try:
-            d, lease_r, lease_t = _decision(f.result())
+            d, lease_r, lease_t = _decision(f.result(), tokens)
         except (ValueError, TypeError):
             return
         if d.wait == 0.0 and self.healthy:
