@@ -20,12 +20,11 @@ hedge's or a retry's events can take over before content without the client seei
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import orjson
 
-from tokenpipe import sse
+from tokenpipe import request_ids, sse
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.chat_upstream import read_chunk, read_completion
 from tokenpipe.dialects.openai import CHAT, ChatDialect
@@ -48,7 +47,9 @@ class ResponsesViaChat(ChatDialect):
     def __init__(self, request: dict[str, Any]) -> None:
         #: The client's Responses request: what the Response object echoes.
         self.request = request
-        self.id = "resp_" + uuid.uuid4().hex
+        # Ids of this response and its items: unique, not secret (request_ids: ~0.7 us an id,
+        # uuid4's ~5 us; a 1-token answer takes two).
+        self.id = "resp_" + request_ids.new()
         self.created = int(time.time())
         self.stream = _Translation(self)
 
@@ -206,7 +207,7 @@ class _Translation(Dialect):
             )
 
     def _open(self, out: list[bytes], kind: str, prefix: str) -> OutputItem:
-        item = OutputItem(kind, len(self.items), prefix + uuid.uuid4().hex)
+        item = OutputItem(kind, len(self.items), prefix + request_ids.new())
         self._hold(item.size())
         self.items.append(item)
         added = {"type": "response.output_item.added", "output_index": item.index}
@@ -247,8 +248,8 @@ class _Translation(Dialect):
         key = key if type(key) is int else n  # (an upstream's value: any JSON)
         item = self.calls.get(key)
         if item is None:
-            item = OutputItem("function_call", len(self.items), "fc_" + uuid.uuid4().hex)
-            item.call_id = str(call.get("id") or "call_" + uuid.uuid4().hex)
+            item = OutputItem("function_call", len(self.items), "fc_" + request_ids.new())
+            item.call_id = str(call.get("id") or "call_" + request_ids.new())
             item.name = str(function.get("name") or "")
             self._hold(item.size())
             self.items.append(item)

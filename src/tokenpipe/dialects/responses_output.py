@@ -5,11 +5,11 @@ request), its output items (a message, a function call, reasoning) and its usage
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import orjson
 
+from tokenpipe import request_ids
 from tokenpipe.usage import count
 
 #: Chat finish reasons that make a Response `incomplete`, and the reason it gives.
@@ -190,20 +190,20 @@ def output_of(obj: dict[str, Any]) -> tuple[list[dict[str, Any]], str, str | Non
     items: list[OutputItem] = []
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     if isinstance(reasoning, str) and reasoning:
-        items.append(OutputItem("reasoning", len(items), "rs_" + uuid.uuid4().hex))
+        items.append(OutputItem("reasoning", len(items), "rs_" + request_ids.new()))
         items[-1].text = reasoning
     calls = message.get("tool_calls")
     calls = calls if isinstance(calls, list) else []
     text = message.get("content")
     if (isinstance(text, str) and text) or not calls:
-        items.append(OutputItem("message", len(items), "msg_" + uuid.uuid4().hex))
+        items.append(OutputItem("message", len(items), "msg_" + request_ids.new()))
         items[-1].text = text if isinstance(text, str) else ""
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
             continue
-        item = OutputItem("function_call", len(items), "fc_" + uuid.uuid4().hex)
-        item.call_id = str(call.get("id") or "call_" + uuid.uuid4().hex)
+        item = OutputItem("function_call", len(items), "fc_" + request_ids.new())
+        item.call_id = str(call.get("id") or "call_" + request_ids.new())
         item.name = str(function.get("name") or "")
         item.text = str(function.get("arguments") or "")
         items.append(item)
