@@ -125,13 +125,10 @@ class Gateway:
         translation = TRANSLATIONS.get(native.name)
         if translation is None or self.apis == {native.api}:
             return native
-        if native.api in self.apis:
-            try:
-                await self.router.candidates(model, native.api)
-                return native
-            except GatewayError as e:
-                if e.status != 404:
-                    raise
+        if native.api in self.apis and await self.router.candidates(
+            model, native.api, required=False
+        ):
+            return native
         if translation.api not in self.apis:
             return native  # the router's 404 names the model
         await self.router.candidates(model, translation.api)  # 404 when neither serves it

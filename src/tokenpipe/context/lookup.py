@@ -17,7 +17,6 @@ from tokenpipe.context import tokens
 from tokenpipe.context.gguf_meta import GGUFError, read_metadata
 from tokenpipe.context.windows import WindowDiscovery
 from tokenpipe.control.published import known_window
-from tokenpipe.errors import GatewayError
 from tokenpipe.flight import SingleFlight
 from tokenpipe.router import Router
 from tokenpipe.settings import ContextModel
@@ -50,10 +49,7 @@ class ModelLookup:
         cfg = self.models.get(model)
         if cfg is not None and cfg.window:
             return cfg.window
-        try:
-            upstreams = await self.router.candidates(model)
-        except GatewayError:
-            upstreams = []
+        upstreams = await self.router.candidates(model, required=False)
         for upstream in upstreams[:1]:  # the one tried first
             found = await self.discovery.window(upstream, model)
             if found:

@@ -56,8 +56,12 @@ class Router:
         # change of a list): the same objects, the same listing.
         self._listed: list[frozenset[str] | None] = []
 
-    async def candidates(self, model: str, api: str = "openai") -> list[HttpUpstream]:
-        """The upstreams speaking `api` that serve `model`, in config order."""
+    async def candidates(
+        self, model: str, api: str = "openai", *, required: bool = True
+    ) -> list[HttpUpstream]:
+        """The upstreams speaking `api` that serve `model`, in config order. None: 404 if
+        `required`, else an empty list (for a caller that only asks which API serves a model,
+        or its window: an error raised and caught costs ~1.3 us)."""
         named = self._named.get((api, model))
         found = list(named) if named is not None else []
         for u in self._any.get(api, ()):
@@ -74,7 +78,7 @@ class Router:
                     listed = await u.listed_models()
                     if listed is not None and model in listed:
                         metrics.allow_model(model)
-        if not found:
+        if not found and required:
             raise GatewayError(
                 404,
                 f"The model `{model}` does not exist or you do not have access to it.",
