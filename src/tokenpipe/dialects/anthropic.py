@@ -127,11 +127,14 @@ class MessagesDialect(Dialect):
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
     ) -> Piece | None:
-        piece, _ = self._read(data, event)
+        piece, usage = self._read(data, event)
+        if usage is not None:
+            piece.usage = openai_usage(usage)
         return piece
 
     def _read(self, data: bytes, event: str | None) -> tuple[Piece, dict[str, Any] | None]:
-        """The piece, and the usage the event carried as the upstream wrote it."""
+        """The piece, and the usage the event carried as the upstream wrote it (the caller
+        sets the piece's: a stream's reader translates the usage joined so far, once)."""
         try:
             ev = _decode(data)
         except msgspec.ValidationError:
@@ -166,8 +169,6 @@ class MessagesDialect(Dialect):
         elif kind == "error":
             piece.error = object_of(ev.error) or {"type": "api_error"}
             piece.end = True
-        if usage is not None:
-            piece.usage = openai_usage(usage)
         return piece, usage
 
     def for_stream(self) -> Dialect:

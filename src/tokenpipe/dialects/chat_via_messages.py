@@ -148,6 +148,8 @@ class ChatViaMessages(Dialect):
         self.id = "chatcmpl-"
         self.created = int(time.time())
         self.usage: dict[str, Any] = {}
+        #: `usage` in chat's shape as the last message_delta's piece carried it.
+        self.counted: dict[str, Any] | None = None
         #: Anthropic content block index -> chat tool_calls index.
         self.tools: dict[int, int] = {}
 
@@ -185,6 +187,7 @@ class ChatViaMessages(Dialect):
             self.id = "chatcmpl-" + str(msg.get("id") or "")
             self.model = str(msg.get("model") or self.model)
             self.usage.update(msg.get("usage") or {})
+            self.counted = None
             return Piece(self._chunk({"role": "assistant", "content": ""}))
         if kind == "content_block_start":
             block = obj.get("content_block") or {}
@@ -203,13 +206,15 @@ class ChatViaMessages(Dialect):
         if kind == "message_delta":
             delta = obj.get("delta") or {}
             self.usage.update(obj.get("usage") or {})
-            piece = Piece(self._chunk({}, finish_reason(delta.get("stop_reason"))))
-            piece.finish_reason = finish_reason(delta.get("stop_reason"))
-            piece.usage = chat_usage(self.usage)
+            reason = finish_reason(delta.get("stop_reason"))
+            piece = Piece(self._chunk({}, reason))
+            piece.finish_reason = reason
+            piece.usage = self.counted = chat_usage(self.usage)
             return piece
         if kind == "message_stop":
             out = b""
-            usage = chat_usage(self.usage)
+            # (as the last message_delta counted it, unless a stream had none)
+            usage = self.counted if self.counted is not None else chat_usage(self.usage)
             if self.include_usage and usage is not None:
                 obj = {
                     "id": self.id,
