@@ -117,6 +117,7 @@ def _data(event: bytes) -> dict[str, Any]:
 def test_any_split_of_the_reads_gives_the_same_events_usage_and_finish() -> None:
     whole, tally = _parse(STREAM)
     assert [p.event() for p in whole] == STREAM  # passed on byte for byte
+    assert all(p.raw is read for p, read in zip(whole, STREAM, strict=True))  # not written again
     assert tally.usage == USAGE and tally.done and tally.finished
     body = b"".join(STREAM)
     rng = random.Random(19)
@@ -143,6 +144,11 @@ def test_events_validate_against_the_sdks_types_and_data_only_events_get_their_n
     data_only = [raw.split(b"\n", 1)[1] for raw in STREAM]
     pieces, tally = _parse(data_only)
     assert [p.event() for p in pieces] == STREAM and tally.usage == USAGE
+    # So is an empty one, in reads of one event and of all of them.
+    unnamed = [b"event: \n" + data for data in data_only]
+    for reads in (unnamed, [b"".join(unnamed)]):
+        pieces, tally = _parse(reads)
+        assert [p.event() for p in pieces] == STREAM and tally.usage == USAGE
 
 
 def test_queued_text_deltas_merge_within_their_block_and_tool_input_never_merges() -> None:

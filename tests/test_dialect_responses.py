@@ -16,11 +16,13 @@ from tokenpipe import sse
 from tokenpipe.control import cost
 from tokenpipe.dialects import Piece
 from tokenpipe.dialects.openai_schema import parse as parse_request
-from tokenpipe.dialects.responses import ResponsesDialect
+from tokenpipe.dialects.responses import TEXT_DELTA, ResponsesDialect
 from tokenpipe.dialects.responses_chat import ResponsesViaChat
 from tokenpipe.dialects.responses_output import HELD_MAX_BYTES, ITEM_BYTES, OutputItem
 from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
 from tokenpipe.errors import GatewayError
+from tokenpipe.relay.events import EventParser
+from tokenpipe.relay.tally import StreamTally
 
 REQUEST = {"model": "m", "input": "hi", "instructions": "be brief"}
 
@@ -478,3 +480,40 @@ def test_an_output_items_text_is_its_deltas_in_order_however_many() -> None:
     item.extend("!")
     got = orjson.loads(orjson.dumps(item.item("completed")))
     assert item.text == "whole!" and got["content"][0]["text"] == "whole!"
+
+
+def test_native_events_pass_on_as_read_and_an_empty_name_is_left_out() -> None:
+    """A native stream's named events go to the client as they were read (the read itself,
+    not written again); an event whose `event:` line is empty goes without it, as a `data:`
+    event (an SDK dispatches on the name)."""
+    objs = [
+        {"type": "response.created", "sequence_number": 0, "response": {"id": "r1"}},
+        {"type": TEXT_DELTA, "output_index": 0, "content_index": 0, "delta": "Hi",
+         "sequence_number": 1, "logprobs": []},
+        {"type": "response.completed", "sequence_number": 2,
+         "response": {"usage": {"input_tokens": 5, "output_tokens": 1, "total_tokens": 6}}},
+    ]  # fmt: skip
+    datas = [orjson.dumps(o) for o in objs]
+
+    def relayed(reads: list[bytes]) -> list[Piece]:
+        parser = EventParser(StreamTally("u", "m", 0.0), False, ResponsesDialect().for_stream())
+        return [p for r in reads for p in parser.feed(r)]
+
+    named = [
+        b"event: " + str(o["type"]).encode() + b"\ndata: " + d + b"\n\n"
+        for o, d in zip(objs, datas, strict=True)
+    ]
+    for reads in (named, [b"".join(named)]):
+        pieces = relayed(reads)
+        assert b"".join(p.event() for p in pieces) == b"".join(named)
+        assert pieces[-1].end and pieces[-1].usage == {
+            "prompt_tokens": 5,
+            "completion_tokens": 1,
+            "total_tokens": 6,
+        }
+    assert relayed(named)[-1].raw is named[-1]
+    unnamed = [b"event: \ndata: " + d + b"\n\n" for d in datas]
+    for reads in (unnamed, [b"".join(unnamed)]):
+        assert b"".join(p.event() for p in relayed(reads)) == b"".join(
+            b"data: " + d + b"\n\n" for d in datas
+        )

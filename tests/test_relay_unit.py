@@ -43,6 +43,17 @@ def _parse(reads: list[bytes], strip: bool) -> tuple[list[Piece], StreamTally]:
     return pieces, tally
 
 
+def test_a_chat_upstreams_named_events_reach_the_client_as_data_events() -> None:
+    """Chat's client reads `data:` events only (the SDK reads a named event as another kind
+    of event): an upstream's `event:` lines are left out, whether it reads one at a time or
+    all at once (the parser's fast path for named events)."""
+    named = [b"event: message\n" + e for e in STREAM]
+    for reads in (named, [b"".join(named)]):
+        pieces, tally = _parse(reads, False)
+        assert b"".join(p.event() for p in pieces) == b"".join(STREAM)
+        assert tally.usage == {"prompt_tokens": 3, "completion_tokens": 20} and tally.done
+
+
 def _queued(pieces: list[Piece]) -> Accumulator:
     """An accumulator holding these pieces, as a reader behind its client leaves them."""
     acc = Accumulator()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tokenpipe import sse
+from tokenpipe.dialects.responses import TEXT_DELTA
 
 STREAMS = {
     "lf": b'data: {"a":1}\n\ndata: {"b":2}\n\n: ping\n\ndata: [DONE]\n\n',
@@ -151,13 +152,17 @@ def _datas(events: list[sse.Event]) -> list[bytes]:
     return [e.data for e in events]
 
 
-def _same(events: list[sse.Event]) -> list[sse.Event]:
-    return events
+def _named(events: list[sse.Event]) -> list[tuple[bytes, str | None, bytes]]:
+    """Each event as `feed_named` gives it: its data, its name and its bytes as read."""
+    return [
+        (e.data, e.event, b"event: " + (e.event or "").encode() + b"\ndata: " + e.data + b"\n\n")
+        for e in events
+    ]
 
 
 @pytest.mark.parametrize(
     ("fast", "taken", "left", "as_feed"),
-    [("feed_many", _PLAIN, _OTHER, _datas), ("feed_named", _NAMED, _NOT_NAMED, _same)],
+    [("feed_many", _PLAIN, _OTHER, _datas), ("feed_named", _NAMED, _NOT_NAMED, _named)],
 )
 def test_a_read_split_at_once_is_what_feed_gives_or_is_left_to_it(
     fast: str, taken: list[bytes], left: list[bytes], as_feed: Any
@@ -177,6 +182,9 @@ def test_a_read_split_at_once_is_what_feed_gives_or_is_left_to_it(
             assert split == as_feed(sse.SSEDecoder().feed(read)), read
         else:
             assert split is None, read
+    if fast == "feed_named":  # a read of one event is its bytes as read, not a copy
+        assert sse.SSEDecoder().feed_named(taken[0]) == [(b'{"delta":"x"}', TEXT_DELTA, taken[0])]
+        assert sse.SSEDecoder().feed_named(taken[0])[0][2] is taken[0]
     d = sse.SSEDecoder()
     assert d.feed(taken[0][:9]) == []
     assert getattr(d, fast)(taken[1]) is None  # held bytes come first

@@ -105,22 +105,28 @@ class SSEDecoder:
         datas = self._whole(chunk, b"data: ", b"\n\ndata: ", 2)
         return None if datas is None or b"" in datas else datas
 
-    def feed_named(self, chunk: bytes) -> list[Event] | None:
+    def feed_named(self, chunk: bytes) -> list[tuple[bytes, str, bytes]] | None:
         """The events of `chunk` if it holds nothing but whole two-line events, `event: `
         then `data: ` (the Responses and Messages APIs send nothing else), with nothing
         buffered before it, else None: use `feed`. As `feed_many`, split over the whole
         read: 4 Responses events of ~200 bytes cost ~68,000 machine instructions in `feed`
         (its field-by-field parse, written for any shape of event). Three LFs an event
-        (the one between its lines, the two that end it) prove it has no other line."""
+        (the one between its lines, the two that end it) prove it has no other line.
+
+        Each event is (data, name, raw): `raw` its bytes as read, which a dialect passes on
+        instead of writing them again (the read itself when it holds one event, as a token
+        at speed does)."""
         blocks = self._whole(chunk, b"event: ", b"\n\nevent: ", 3)
         if blocks is None:
             return None
-        events: list[Event] = []
+        one = len(blocks) == 1
+        events: list[tuple[bytes, str, bytes]] = []
         for block in blocks:
             name, _, data = block.partition(b"\ndata: ")
             if not data:
                 return None  # (`data: ` alone, or a line of another field)
-            events.append(_new_event(Event, (data, False, name.decode("utf-8", "replace"))))
+            raw = chunk if one else b"event: " + block + b"\n\n"
+            events.append((data, name.decode("utf-8", "replace"), raw))
         return events
 
     def _whole(self, chunk: bytes, first: bytes, between: bytes, lfs: int) -> list[bytes] | None:

@@ -123,16 +123,19 @@ class MessagesDialect(Dialect):
     name = "messages"
     api = "anthropic"
     path = "/messages"
+    raw_named = True
 
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
     ) -> Piece | None:
-        piece, usage = self._read(data, event)
+        piece, usage = self._read(data, event, raw)
         if usage is not None:
             piece.usage = openai_usage(usage)
         return piece
 
-    def _read(self, data: bytes, event: str | None) -> tuple[Piece, dict[str, Any] | None]:
+    def _read(
+        self, data: bytes, event: str | None, raw: bytes | None
+    ) -> tuple[Piece, dict[str, Any] | None]:
         """The piece, and the usage the event carried as the upstream wrote it (the caller
         sets the piece's: a stream's reader translates the usage joined so far, once)."""
         try:
@@ -142,9 +145,10 @@ class MessagesDialect(Dialect):
         except (msgspec.DecodeError, RecursionError):  # not JSON, or nested too deep
             raise _fault("upstream sent an event that is not JSON") from None
         kind = ev.type or event or ""
-        if data.find(b"\n") >= 0:  # a multi-line `data:` event (JSON: the line ends are whitespace)
-            data = data.replace(b"\n", b" ")
-        raw = b"event: " + (event or kind).encode() + b"\ndata: " + data + b"\n\n"
+        if raw is None or not event:  # (not as read, or without its name: written here)
+            if data.find(b"\n") >= 0:  # a multi-line `data:` event (JSON: line ends are spaces)
+                data = data.replace(b"\n", b" ")
+            raw = b"event: " + (event or kind).encode() + b"\ndata: " + data + b"\n\n"
         usage = None
         if kind == "content_block_delta":
             delta = ev.delta
@@ -224,7 +228,7 @@ class _StreamReader(MessagesDialect):
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
     ) -> Piece | None:
-        piece, usage = self._read(data, event)
+        piece, usage = self._read(data, event, raw)
         if usage:
             self._usage.update(usage)
             piece.usage = openai_usage(self._usage)

@@ -145,6 +145,10 @@ class Dialect:
     path = ""
     #: It generates tokens (an embedding does not: admission reserves no output for it).
     output = True
+    #: `read` takes a named event's `raw` (`event: <event>\ndata: <data>\n\n`) and passes it
+    #: on as it came. Else a named event comes with `raw` None (chat's dialect writes its
+    #: events without the `event:` line, which the SDKs would read as another kind of event).
+    raw_named = False
 
     @property
     def label(self) -> str:
@@ -156,8 +160,9 @@ class Dialect:
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
     ) -> Piece | None:
         """One SSE event -> its piece; None: nothing to pass on. `raw` is the event's bytes as
-        read when they are exactly `data: <data>\\n\\n` (saves rebuilding them); `strip_usage`:
-        the gateway asked for usage on the client's behalf, remove it again. Raises
+        read when they are exactly `data: <data>\\n\\n` (`event` None) or, for a dialect
+        that is `raw_named`, `event: <event>\\ndata: <data>\\n\\n` (saves rebuilding them);
+        `strip_usage`: the gateway asked for usage on the client's behalf, remove it again. Raises
         sse.SSEProtocolError for an event that cannot be read (the stream then ends with one
         protocol error)."""
         raise NotImplementedError

@@ -106,6 +106,7 @@ class ResponsesDialect(Dialect):
     name = "responses"
     api = "openai"
     path = "/responses"
+    raw_named = True
 
     def __init__(self) -> None:
         self.last_seq = -1  # the highest sequence_number read (a max: reads may repeat)
@@ -138,7 +139,7 @@ class ResponsesDialect(Dialect):
             e = _lenient(data)
         except (msgspec.DecodeError, RecursionError):
             raise sse.SSEProtocolError("upstream sent an event that is not JSON") from None
-        if raw is None:
+        if raw is None or event == "":  # (an empty name is not passed on: see below)
             data = data.replace(b"\n", b" ") if data.find(b"\n") >= 0 else data
             raw = (b"event: " + event.encode() + b"\ndata: " if event else b"data: ") + data
             raw += b"\n\n"
@@ -225,6 +226,8 @@ class _Relayed(Dialect):
     """The relayed stream's reader (see the module docstring): the events before the first
     output are held and sent with it; a `response.created` starts the held prefix over (a
     hedge's or a retry's response taking over before content). Its state is its owner's."""
+
+    raw_named = True
 
     def __init__(self, owner: ResponsesDialect) -> None:
         self.owner = owner

@@ -98,12 +98,23 @@ class EventParser:
     `at_end()`, which raises the fault. So the client gets every event up to the fault in
     order, then the one error event, and never an event from after it."""
 
-    __slots__ = ("decoder", "dialect", "ended", "fault", "read", "record", "strip_usage", "tally")
+    __slots__ = (
+        "decoder",
+        "dialect",
+        "ended",
+        "fault",
+        "raw_named",
+        "read",
+        "record",
+        "strip_usage",
+        "tally",
+    )
 
     def __init__(self, tally: StreamTally, strip_usage: bool, dialect: Dialect) -> None:
         self.tally = tally
         self.dialect = dialect
         self.read = dialect.read
+        self.raw_named = dialect.raw_named
         #: The content so far, when the stream may need a continuation; None: not kept.
         self.record: Record | None = None
         #: The gateway asked the upstream for usage on the client's behalf; the dialect removes
@@ -172,8 +183,9 @@ class EventParser:
             return out
         events = self.decoder.feed_named(chunk)  # (`event:` and `data:` lines: the same)
         if events is not None:
-            for data, _, event in events:
-                if not self._read(data, event, out):
+            named = self.raw_named
+            for data, event, raw in events:
+                if not self._read(data, event, out, raw if named else None):
                     break
             return out
         for data, comment, event in self.decoder.feed(chunk):
@@ -185,11 +197,13 @@ class EventParser:
             self.fault = self.decoder.fault
         return out
 
-    def _read(self, data: bytes, event: str | None, out: list[Piece]) -> bool:
+    def _read(
+        self, data: bytes, event: str | None, out: list[Piece], raw: bytes | None = None
+    ) -> bool:
         """One event of a read of several: its piece, if any, onto `out`. False: the stream
         stops here (a terminal event, or a fault: `feed` says what follows)."""
         try:
-            piece = self.read(data, event, None, self.strip_usage)
+            piece = self.read(data, event, raw, self.strip_usage)
         except sse.SSEProtocolError as e:
             self.fault = e
             return False
