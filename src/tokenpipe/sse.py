@@ -100,46 +100,51 @@ class SSEDecoder:
         machine instructions here, ~27,000 in `feed` (callgrind).
 
         Every LF of such a read is one of a separator's two or one of the last event's two,
-        so counting them proves no event has a second line or another field; a CR (a line
-        end too) sends the read to `feed`."""
-        datas = self._whole(chunk, b"data: ", b"\n\ndata: ", 2)
-        return None if datas is None or b"" in datas else datas
+        so no LF in any event's data proves none has a second line or another field; a CR
+        (a line end too) sends the read to `feed`. The data are searched joined (memchr:
+        ~0.01 ns a byte, ~0.1 us a read), not the read's LFs counted (bytes.count of one byte
+        is a plain loop, ~0.3 ns a byte: 20,000 machine instructions of a 1-token Responses
+        request, 2% of it)."""
+        datas = self._whole(chunk, b"data: ", b"\n\ndata: ")
+        if datas is None or b"" in datas or b"".join(datas).find(b"\n") >= 0:
+            return None
+        return datas
 
     def feed_named(self, chunk: bytes) -> list[tuple[bytes, str, bytes]] | None:
         """The events of `chunk` if it holds nothing but whole two-line events, `event: `
         then `data: ` (the Responses and Messages APIs send nothing else), with nothing
         buffered before it, else None: use `feed`. As `feed_many`, split over the whole
         read: 4 Responses events of ~200 bytes cost ~68,000 machine instructions in `feed`
-        (its field-by-field parse, written for any shape of event). Three LFs an event
-        (the one between its lines, the two that end it) prove it has no other line.
+        (its field-by-field parse, written for any shape of event). No LF in an event's name
+        or data (searched, as `feed_many`'s) proves it has no other line.
 
         Each event is (data, name, raw): `raw` its bytes as read, which a dialect passes on
         instead of writing them again (the read itself when it holds one event, as a token
         at speed does)."""
-        blocks = self._whole(chunk, b"event: ", b"\n\nevent: ", 3)
+        blocks = self._whole(chunk, b"event: ", b"\n\nevent: ")
         if blocks is None:
             return None
         one = len(blocks) == 1
         events: list[tuple[bytes, str, bytes]] = []
         for block in blocks:
             name, _, data = block.partition(b"\ndata: ")
-            if not data:
-                return None  # (`data: ` alone, or a line of another field)
+            if not data or data.find(b"\n") >= 0 or name.find(b"\n") >= 0:
+                return None  # (`data: ` alone, a line of another field, or more lines)
             raw = chunk if one else b"event: " + block + b"\n\n"
             events.append((data, name.decode("utf-8", "replace"), raw))
         return events
 
-    def _whole(self, chunk: bytes, first: bytes, between: bytes, lfs: int) -> list[bytes] | None:
+    def _whole(self, chunk: bytes, first: bytes, between: bytes) -> list[bytes] | None:
         """`feed_many`'s and `feed_named`'s split: what follows the first line's field name
-        (`first`, as `data: `) in each event of `chunk`, if nothing is held, no fault was
-        met, the read starts with `first`, ends an event, holds no CR, and has `lfs` LFs an
-        event (`between`: an event's end and the next one's `first`); else None."""
+        (`first`, as `data: `) in each event of `chunk` (`between`: an event's end and the
+        next one's `first`), if nothing is held, no fault was met, the read starts with
+        `first`, ends an event and holds no CR; else None. The caller checks each event's
+        lines."""
         if self._held or self.fault is not None:
             return None
         if chunk[: len(first)] != first or chunk[-2:] != b"\n\n" or chunk.find(b"\r") >= 0:
             return None
-        blocks = chunk[len(first) : -2].split(between)
-        return blocks if chunk.count(b"\n") == lfs * len(blocks) else None
+        return chunk[len(first) : -2].split(between)
 
     def feed(self, chunk: bytes) -> list[Event]:
         if self.fault is not None:
