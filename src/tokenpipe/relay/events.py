@@ -184,8 +184,8 @@ class EventParser:
         events = self.decoder.feed_named(chunk)  # (`event:` and `data:` lines: the same)
         if events is not None:
             named = self.raw_named
-            for data, event, raw in events:
-                if not self._read(data, event, out, raw if named else None):
+            for data, name, raw in events:
+                if not self._read(data, name, out, raw if named else None):
                     break
             return out
         for data, comment, event in self.decoder.feed(chunk):
