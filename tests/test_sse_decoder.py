@@ -185,6 +185,10 @@ def test_a_read_split_at_once_is_what_feed_gives_or_is_left_to_it(
     if fast == "feed_named":  # a read of one event is its bytes as read, not a copy
         assert sse.SSEDecoder().feed_named(taken[0]) == [(b'{"delta":"x"}', TEXT_DELTA, taken[0])]
         assert sse.SSEDecoder().feed_named(taken[0])[0][2] is taken[0]
+        assert (
+            sse.SSEDecoder().feed_named(taken[0] * 2, False)
+            == [(b'{"delta":"x"}', TEXT_DELTA, None)] * 2
+        )  # not asked for
     d = sse.SSEDecoder()
     assert d.feed(taken[0][:9]) == []
     assert getattr(d, fast)(taken[1]) is None  # held bytes come first

@@ -110,7 +110,9 @@ class SSEDecoder:
             return None
         return datas
 
-    def feed_named(self, chunk: bytes) -> list[tuple[bytes, str, bytes]] | None:
+    def feed_named(
+        self, chunk: bytes, raw: bool = True
+    ) -> list[tuple[bytes, str, bytes | None]] | None:
         """The events of `chunk` if it holds nothing but whole two-line events, `event: `
         then `data: ` (the Responses and Messages APIs send nothing else), with nothing
         buffered before it, else None: use `feed`. As `feed_many`, split over the whole
@@ -120,18 +122,19 @@ class SSEDecoder:
 
         Each event is (data, name, raw): `raw` its bytes as read, which a dialect passes on
         instead of writing them again (the read itself when it holds one event, as a token
-        at speed does)."""
+        at speed does); None unless asked for (`raw`: a translation writes events of its
+        own)."""
         blocks = self._whole(chunk, b"event: ", b"\n\nevent: ")
         if blocks is None:
             return None
         one = len(blocks) == 1
-        events: list[tuple[bytes, str, bytes]] = []
+        events: list[tuple[bytes, str, bytes | None]] = []
         for block in blocks:
             name, _, data = block.partition(b"\ndata: ")
             if not data or data.find(b"\n") >= 0 or name.find(b"\n") >= 0:
                 return None  # (`data: ` alone, a line of another field, or more lines)
-            raw = chunk if one else b"event: " + block + b"\n\n"
-            events.append((data, name.decode("utf-8", "replace"), raw))
+            read = (chunk if one else b"event: " + block + b"\n\n") if raw else None
+            events.append((data, name.decode("utf-8", "replace"), read))
         return events
 
     def _whole(self, chunk: bytes, first: bytes, between: bytes) -> list[bytes] | None:

@@ -181,11 +181,11 @@ class EventParser:
                 if not self._read(data, None, out):
                     break
             return out
-        events = self.decoder.feed_named(chunk)  # (`event:` and `data:` lines: the same)
+        # (`event:` and `data:` lines: the same)
+        events = self.decoder.feed_named(chunk, self.raw_named)
         if events is not None:
-            named = self.raw_named
             for data, name, raw in events:
-                if not self._read(data, name, out, raw if named else None):
+                if not self._read(data, name, out, raw):
                     break
             return out
         for data, comment, event in self.decoder.feed(chunk):
@@ -200,8 +200,9 @@ class EventParser:
     def _read(
         self, data: bytes, event: str | None, out: list[Piece], raw: bytes | None = None
     ) -> bool:
-        """One event of a read of several: its piece, if any, onto `out`. False: the stream
-        stops here (a terminal event, or a fault: `feed` says what follows)."""
+        """One event of a read of several: its piece, if any, onto `out` (`raw`: its bytes
+        as read, as `Dialect.read` takes them). False: the stream stops here (a terminal
+        event, or a fault: `feed` says what follows)."""
         try:
             piece = self.read(data, event, raw, self.strip_usage)
         except sse.SSEProtocolError as e:
