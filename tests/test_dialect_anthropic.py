@@ -152,18 +152,20 @@ def test_events_validate_against_the_sdks_types_and_data_only_events_get_their_n
 
 
 def test_queued_text_deltas_merge_within_their_block_and_tool_input_never_merges() -> None:
-    second_text = [_text(2, " x"), _text(2, " y")]
+    # Block 2, and blocks 20 and 21 (past the kinds made once), merge each within itself.
+    second_text = [_text(2, " x"), _text(2, " y"), _text(20, " v"), _text(20, " w")]
+    second_text += [_text(21, " u")]
     pieces, _ = _parse([*STREAM[:-2], *second_text, *STREAM[-2:]])
     out = _queued(pieces)
     merged = [p for p in out if p.count > 1]
-    assert [p.count for p in merged] == [len(WORDS), 2]  # block 0's ten, block 2's two
+    assert [p.count for p in merged] == [len(WORDS), 2, 2]  # block 0's ten, 2's two, 20's two
     first = _data(merged[0].event())
     assert first["index"] == 0 and first["delta"] == {"type": "text_delta", "text": "".join(WORDS)}
     assert _data(merged[1].event())["index"] == 2  # blocks never merge into each other
     EVENT.validate_python(first)
     tool = [p for p in out if p.count and b"input_json_delta" in p.event()]
     assert [p.text for p in tool] == TOOL_PARTS  # one event per part, as sent
-    assert "".join(p.text for p in out) == "".join(WORDS) + "".join(TOOL_PARTS) + " x y"
+    assert "".join(p.text for p in out) == "".join(WORDS) + "".join(TOOL_PARTS) + " x y v w u"
 
 
 def test_thinking_deltas_are_content_but_never_merged() -> None:

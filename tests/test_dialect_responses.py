@@ -237,12 +237,12 @@ def test_native_deltas_merge_only_within_one_content_part() -> None:
     d = ResponsesDialect()
     reader = d.for_stream()
 
-    def delta(index: int, text: str, seq: int) -> Piece:
+    def delta(index: int, text: str, seq: int, part: int = 0) -> Piece:
         obj = {
             "type": "response.output_text.delta",
             "item_id": f"m{index}",
             "output_index": index,
-            "content_index": 0,
+            "content_index": part,
             "delta": text,
             "sequence_number": seq,
             "logprobs": [],
@@ -255,6 +255,11 @@ def test_native_deltas_merge_only_within_one_content_part() -> None:
     delta(0, "first", 1)  # the start goes with the first output
     a, b, c = delta(0, "x", 2), delta(0, "y", 3), delta(1, "z", 4)
     assert a.join(b) and not a.join(c)
+    # Past the parts whose kinds are made once too (output 8 on, content 4 on).
+    for far in ((9, 0), (0, 5), (12, 7)):
+        x, y = delta(far[0], "x", 5, far[1]), delta(far[0], "y", 6, far[1])
+        assert x.join(y) and not x.join(delta(far[0] + 1, "z", 7, far[1]))
+        assert not delta(far[0], "x", 8, far[1] + 1).join(delta(far[0], "y", 9, far[1]))
     merged = parse(a.event())[0]
     assert (merged["delta"], merged["sequence_number"], merged["item_id"]) == ("xy", 2, "m0")
     fc = reader.read(

@@ -79,6 +79,9 @@ class _Event(msgspec.Struct):
 _decode = msgspec.json.Decoder(_Event).decode
 _NOT_JSON = "upstream sent an event that is not valid JSON"
 _DELTA_EVENT = b"event: content_block_delta\ndata: "
+#: A text block's merge kind by its index, the usual ones made once (a token's f-string
+#: took 80 ns of its ~2.1 us; a lookup 40).
+_TEXT_KINDS = tuple(f"text:{i}" for i in range(16))
 #: The delta types whose text is content (a token each); only text_delta merges.
 _CONTENT = {"text_delta": "text", "input_json_delta": "partial_json", "thinking_delta": "thinking"}
 
@@ -123,7 +126,7 @@ class MessagesDialect(Dialect):
     name = "messages"
     api = "anthropic"
     path = "/messages"
-    raw_named = True
+    named = raw_named = True
 
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
@@ -157,8 +160,10 @@ class MessagesDialect(Dialect):
             if not text:  # signature, citations, an empty delta: no token
                 return Piece(raw), None
             piece = Piece(raw, [text])
-            if key == "text" and ev.index is not None:  # text merges within its block
-                piece.may_merge, piece.kind, piece.dialect = True, f"text:{ev.index}", self
+            index = ev.index
+            if key == "text" and index is not None:  # text merges within its block
+                kind = _TEXT_KINDS[index] if 0 <= index < 16 else f"text:{index}"
+                piece.may_merge, piece.kind, piece.dialect = True, kind, self
             return piece, None
         piece = Piece(raw)
         if kind == "message_start":

@@ -145,6 +145,9 @@ class Dialect:
     path = ""
     #: It generates tokens (an embedding does not: admission reserves no output for it).
     output = True
+    #: The upstream's API names its events (`event:` lines: Messages, Responses): the parser
+    #: tries their split first, before the `data:`-only ones (~0.35 us a token, of ~2.4).
+    named = False
     #: `read` takes a named event's `raw` (`event: <event>\ndata: <data>\n\n`) and passes it
     #: on as it came. Else a named event comes with `raw` None (chat's dialect writes its
     #: events without the `event:` line, which the SDKs would read as another kind of event).

@@ -138,6 +138,7 @@ class ChatViaMessages(Dialect):
     name = "chat"
     api = "anthropic"
     path = "/messages"
+    named = True  # (its events are its own: `raw_named` stays False)
 
     def __init__(self, request: dict[str, Any]) -> None:
         self.request = request

@@ -41,6 +41,9 @@ _FINISHED = {"response.completed": "stop", "response.incomplete": "length"}
 #: `"logprobs": []`, as OpenAI writes it in every text delta (a Raw compares in C).
 _NO_LOGPROBS = msgspec.Raw(b"[]")
 _EVENT_TEXT_DELTA = b"event: " + TEXT_DELTA.encode() + b"\ndata: "
+#: A content part's merge kind by its output and content index, the usual ones made once (a
+#: token's f-string took 125 ns of its ~2.3 us; a lookup 60).
+_PART_KINDS = tuple(tuple(f"t{out}.{part}" for part in range(4)) for out in range(8))
 
 
 # Only the fields the relay acts on are decoded (msgspec skips the rest, e.g. a completed
@@ -106,7 +109,7 @@ class ResponsesDialect(Dialect):
     name = "responses"
     api = "openai"
     path = "/responses"
-    raw_named = True
+    named = raw_named = True
 
     def __init__(self) -> None:
         self.last_seq = -1  # the highest sequence_number read (a max: reads may repeat)
@@ -158,7 +161,10 @@ class ResponsesDialect(Dialect):
                 and e.content_index is not None
             ):
                 piece.may_merge, piece.dialect = True, self
-                piece.kind = f"t{e.output_index}.{e.content_index}"
+                out, part = e.output_index, e.content_index
+                piece.kind = (
+                    _PART_KINDS[out][part] if 0 <= out < 8 and 0 <= part < 4 else f"t{out}.{part}"
+                )
             return piece, kind
         piece = Piece(raw)
         if kind in _FINISHED or kind == "response.failed":
@@ -227,7 +233,7 @@ class _Relayed(Dialect):
     output are held and sent with it; a `response.created` starts the held prefix over (a
     hedge's or a retry's response taking over before content). Its state is its owner's."""
 
-    raw_named = True
+    named = raw_named = True
 
     def __init__(self, owner: ResponsesDialect) -> None:
         self.owner = owner

@@ -103,6 +103,7 @@ class EventParser:
         "dialect",
         "ended",
         "fault",
+        "named",
         "raw_named",
         "read",
         "record",
@@ -114,6 +115,7 @@ class EventParser:
         self.tally = tally
         self.dialect = dialect
         self.read = dialect.read
+        self.named = dialect.named
         self.raw_named = dialect.raw_named
         #: The content so far, when the stream may need a continuation; None: not kept.
         self.record: Record | None = None
@@ -151,9 +153,13 @@ class EventParser:
             return []
         if self.fault is not None:
             raise self.fault
+        named = self.named
+        if named:  # an API whose events are named: that split first (a token's read too)
+            events = self.decoder.feed_named(chunk, self.raw_named)
+            if events is not None:
+                return self._read_named(events)
         # Fast path: a read holding exactly one whole `data:` event (what LLM servers send).
-        data = self.decoder.feed_one(chunk)
-        if data is not None:
+        elif (data := self.decoder.feed_one(chunk)) is not None:
             try:
                 piece = self.read(data, None, chunk, self.strip_usage)
             except sse.SSEProtocolError as e:
@@ -181,13 +187,8 @@ class EventParser:
                 if not self._read(data, None, out):
                     break
             return out
-        # (`event:` and `data:` lines: the same)
-        events = self.decoder.feed_named(chunk, self.raw_named)
-        if events is not None:
-            for data, name, raw in events:
-                if not self._read(data, name, out, raw):
-                    break
-            return out
+        if not named and (events := self.decoder.feed_named(chunk, self.raw_named)) is not None:
+            return self._read_named(events)
         for data, comment, event in self.decoder.feed(chunk):
             if comment:  # each line of a multi-line comment stays a comment line
                 out.append(Piece(b": " + data.replace(b"\n", b"\n: ") + b"\n\n"))
@@ -195,6 +196,14 @@ class EventParser:
                 return out
         if self.decoder.fault is not None:
             self.fault = self.decoder.fault
+        return out
+
+    def _read_named(self, events: list[tuple[bytes, str, bytes | None]]) -> list[Piece]:
+        """The pieces of a read of whole named events (`SSEDecoder.feed_named`)."""
+        out: list[Piece] = []
+        for data, name, raw in events:
+            if not self._read(data, name, out, raw):
+                break
         return out
 
     def _read(
