@@ -18,7 +18,7 @@ import msgspec
 import orjson
 
 from tokenpipe import sse
-from tokenpipe.dialects.anthropic import ERROR_TYPES
+from tokenpipe.dialects.anthropic import ERROR_TYPES, TEXT_KINDS
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.chat_request import chat_request
 from tokenpipe.dialects.chat_upstream import read_chunk, read_completion
@@ -214,7 +214,9 @@ class MessagesViaChat(Dialect):
         piece = Piece(b"".join(out), [text] + [""] * (count - 1))
         if lone:
             assert self.block is not None
-            piece.may_merge, piece.kind, piece.dialect = True, f"text:{self.block[1]}", self
+            index = self.block[1]  # (the translation's own count: not negative)
+            kind = TEXT_KINDS[index] if index < 16 else f"text:{index}"
+            piece.may_merge, piece.kind, piece.dialect = True, kind, self
         return piece
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
