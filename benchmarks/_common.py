@@ -28,6 +28,7 @@ import psutil
 
 from tokenpipe.bench import procs, run_load
 from tokenpipe.bench import prompts as prompts_mod
+from tokenpipe.bench.apis import ChatRequest, Wire
 from tokenpipe.bench.procs import Service
 from tokenpipe.doctor.profile import py_spy_path
 
@@ -458,18 +459,28 @@ async def one_token_requests(
 
 
 async def whole_answers(
-    svc: Service, concurrency: int, requests: int, prompt_tokens: int = 32, model: str = "sim-model"
+    svc: Service,
+    concurrency: int,
+    requests: int,
+    prompt_tokens: int = 32,
+    model: str = "sim-model",
+    api: str = "chat",
+    api_key: str | None = None,
 ) -> None:
-    """`requests` non-streamed chat completions of 1 token each (`"stream": false`: the answer
-    in one JSON body; 32-token prompts as `one_token_requests` sends) through `svc`,
-    `concurrency` at a time on keep-alive connections. Raises on an answer that is not 200."""
-    prompts = prompts_mod.synthetic(prompt_tokens, 64)
-    bodies = [
-        orjson.dumps({"model": model, "messages": p, "max_tokens": 1, "stream": False})
-        for p in prompts
-    ]
-    url = svc.url + "/v1/chat/completions"
-    headers = {"Content-Type": "application/json"}
+    """`requests` non-streamed requests of 1 token each (`"stream": false`: the answer in
+    one JSON body; 32-token prompts as `one_token_requests` sends; `api`: chat, responses or
+    messages, each in its own API's shape, as the load generator writes it; `api_key`: sent
+    as its key) through `svc`, `concurrency` at a time on keep-alive connections. Raises on
+    an answer that is not 200."""
+    wire = Wire(api, svc.url + "/v1", api_key)
+    bodies = []
+    for p in prompts_mod.synthetic(prompt_tokens, 64):
+        obj = orjson.loads(wire.body(ChatRequest(model, p, max_tokens=1)))
+        obj["stream"] = False
+        obj.pop("stream_options", None)
+        bodies.append(orjson.dumps(obj))
+    url = wire.url
+    headers = {**wire.headers, "Accept": "application/json"}
     left = iter(range(requests))
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:

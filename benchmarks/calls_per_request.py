@@ -69,7 +69,9 @@ _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 async def _load(svc: Service, requests: int, args: Any) -> None:
     """`requests` 1-token requests, streamed (or, with `--whole`, non-streamed)."""
     if requests and args.whole:
-        await whole_answers(svc, args.concurrency, requests)
+        key = BENCH_KEY if args.key_quotas else None
+        api = API_PATHS[args.path][0]
+        await whole_answers(svc, args.concurrency, requests, model=args.model, api=api, api_key=key)
     elif requests:
         await one_token_requests(
             svc,
@@ -283,9 +285,7 @@ def main() -> None:
     )
     p.add_argument("--opcode-requests", type=int, default=500, help="requests counted (slow)")
     p.add_argument("--relay", action="store_true", help="count the bare aiohttp relay too")
-    p.add_argument(
-        "--whole", action="store_true", help="non-streamed requests (chat, stream false)"
-    )
+    p.add_argument("--whole", action="store_true", help="non-streamed requests (stream false)")
     add_request_shape(p)
     p.add_argument("--json", default=str(ROOT / "results" / "calls_per_request.json"))
     args = p.parse_args()

@@ -19,7 +19,7 @@ machine does. It does not see the kernel (system calls: `calls_per_request.py --
     python benchmarks/request_instructions.py --messages 30 --model gpt-4o-mini  # a chat's history
     python benchmarks/request_instructions.py --access-log --no-relay   # a log line a request
     python benchmarks/request_instructions.py --otlp metrics --no-relay   # GenAI metrics on
-    python benchmarks/request_instructions.py --whole         # non-streamed answers (chat)
+    python benchmarks/request_instructions.py --whole         # non-streamed answers
     python benchmarks/request_instructions.py --tls           # an https upstream (nginx, TLS)
     python benchmarks/request_instructions.py --redis         # limits shared through Redis
     python benchmarks/request_instructions.py --key-quotas    # auth on, per-key quotas
@@ -221,8 +221,8 @@ async def _target(
             counted = Counted(svc, folder, key)
             shape = {"api": api, "model": args.model, "messages": args.messages}
             shape["api_key"] = key
-            if args.whole:  # non-streamed answers (chat), counted as the streamed ones are
-                shape_whole = {"model": args.model}
+            if args.whole:  # non-streamed answers, counted as the streamed ones are
+                shape_whole = {"model": args.model, "api": api, "api_key": key}
 
                 async def load(n: int, prompt: int = 32) -> None:
                     await whole_answers(svc, args.concurrency, n, prompt, **shape_whole)
@@ -388,7 +388,7 @@ def main() -> None:
     p.add_argument(
         "--whole",
         action="store_true",
-        help="the measured requests ask for a whole answer (chat, stream false), not a stream",
+        help="the measured requests ask for a whole answer (stream false), not a stream",
     )
     p.add_argument(
         "--otlp",
