@@ -43,6 +43,9 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+_DELTA_EVENT = b"event: content_block_delta\ndata: "
+
+
 def _event(kind: str, obj: dict[str, Any]) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **obj}) + b"\n\n"
 
@@ -142,26 +145,32 @@ class MessagesViaChat(Dialect):
             piece.error, piece.end = body["error"], True
             return piece
         out = self._start(obj)
-        piece = Piece(None)
+        made: Piece | None = None  # (made once: the content's, else one for `out`)
+        reason = None
         choices = obj.get("choices")
         if isinstance(choices, list) and choices and isinstance(choices[0], dict):
             choice = choices[0]
             delta: dict[str, Any] = choice.get("delta") or {}
-            content = self._content(delta if isinstance(delta, dict) else {}, out)
-            if content is not None:
-                piece, out = content, b""
+            made = self._content(delta if isinstance(delta, dict) else {}, out)
             reason = choice.get("finish_reason")
             if isinstance(reason, str) and reason:
                 self.stop = STOP_REASONS.get(reason, "end_turn")
-                piece.finish_reason = reason
-        if isinstance(obj.get("usage"), dict) and obj["usage"]:
-            self.usage = piece.usage = obj["usage"]
-        if piece.raw is None:
-            if not out and not piece.usage and not piece.finish_reason:
+            else:
+                reason = None
+        counts = obj.get("usage")
+        if isinstance(counts, dict) and counts:
+            self.usage = counts
+        else:
+            counts = None
+        if made is None:
+            if not out and counts is None and reason is None:
                 return None
-            piece.raw = out
-            piece.size += len(out)
-        return piece
+            made = Piece(out)
+        if reason is not None:
+            made.finish_reason = reason
+        if counts is not None:
+            made.usage = counts
+        return made
 
     def _content(self, delta: dict[str, Any], head: bytes) -> Piece | None:
         """The events of one chat delta (after `head`), as one piece; None: no content. The
@@ -220,8 +229,10 @@ class MessagesViaChat(Dialect):
         return piece
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
+        """A content_block_delta event (written out, not by `_event`: one a token)."""
         assert self.block is not None
-        return _event("content_block_delta", {"index": self.block[1], "delta": delta})
+        obj = {"type": "content_block_delta", "index": self.block[1], "delta": delta}
+        return _DELTA_EVENT + orjson.dumps(obj) + b"\n\n"
 
     def template(self, raw: bytes) -> tuple[Any, str] | None:
         obj = orjson.loads(raw[raw.index(b"\ndata: ") + 7 : -2])
