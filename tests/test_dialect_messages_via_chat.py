@@ -196,6 +196,7 @@ def test_the_stream_becomes_messages_events_the_sdk_accepts(split: int) -> None:
     assert end["delta"]["stop_reason"] == "tool_use"
     assert end["usage"]["output_tokens"] == 9 and end["usage"]["input_tokens"] == 12
     assert tally.usage is not None and tally.usage["completion_tokens"] == 9 and tally.done
+    assert tally.finished  # the chat finish's piece carried it (the relay's books)
 
 
 def test_one_delta_of_many_tool_calls_becomes_their_blocks_in_order() -> None:
