@@ -78,7 +78,8 @@ class _Event(msgspec.Struct):
 
 _decode = msgspec.json.Decoder(_Event).decode
 _NOT_JSON = "upstream sent an event that is not valid JSON"
-_DELTA_EVENT = b"event: content_block_delta\ndata: "
+#: A content_block_delta event's head (its data follows).
+DELTA_EVENT = b"event: content_block_delta\ndata: "
 #: A text block's merge kind by its index, the usual ones made once (a token's f-string
 #: took 80 ns of its ~2.1 us; a lookup 40).
 TEXT_KINDS = tuple(f"text:{i}" for i in range(16))
@@ -196,10 +197,10 @@ class MessagesDialect(Dialect):
         """The typed read skipped the fields it does not act on; a broken value there (a
         number out of a double's range, nesting too deep) shows only now: the upstream's
         broken JSON. An event that would not serialise again is passed on as it came."""
-        if not raw.startswith(_DELTA_EVENT):
+        if not raw.startswith(DELTA_EVENT):
             return None
         try:
-            obj = orjson.loads(raw[len(_DELTA_EVENT) : -2])
+            obj = orjson.loads(raw[len(DELTA_EVENT) : -2])
             orjson.dumps(obj)  # a merged event is rebuilt from it: it must serialise
         except orjson.JSONEncodeError:
             return None
@@ -218,7 +219,7 @@ class MessagesDialect(Dialect):
 
     def render(self, template: Any, kind: str, text: str) -> bytes:
         template["delta"]["text"] = text
-        return _DELTA_EVENT + orjson.dumps(template) + b"\n\n"
+        return DELTA_EVENT + orjson.dumps(template) + b"\n\n"
 
 
 class _StreamReader(MessagesDialect):

@@ -18,7 +18,7 @@ import msgspec
 import orjson
 
 from tokenpipe import sse
-from tokenpipe.dialects.anthropic import ERROR_TYPES, TEXT_KINDS
+from tokenpipe.dialects.anthropic import DELTA_EVENT, ERROR_TYPES, TEXT_KINDS
 from tokenpipe.dialects.base import Dialect, Piece
 from tokenpipe.dialects.chat_request import chat_request
 from tokenpipe.dialects.chat_upstream import read_chunk, read_completion
@@ -41,9 +41,6 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
     invalid_request_error, another 5xx an api_error)."""
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-_DELTA_EVENT = b"event: content_block_delta\ndata: "
 
 
 def _event(kind: str, obj: dict[str, Any]) -> bytes:
@@ -232,7 +229,7 @@ class MessagesViaChat(Dialect):
         """A content_block_delta event (written out, not by `_event`: one a token)."""
         assert self.block is not None
         obj = {"type": "content_block_delta", "index": self.block[1], "delta": delta}
-        return _DELTA_EVENT + orjson.dumps(obj) + b"\n\n"
+        return DELTA_EVENT + orjson.dumps(obj) + b"\n\n"
 
     def template(self, raw: bytes) -> tuple[Any, str] | None:
         obj = orjson.loads(raw[raw.index(b"\ndata: ") + 7 : -2])
