@@ -15,6 +15,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests import procs
+from tests.polling import until
 from tokenpipe.front.grpc_gen import chat_pb2 as pb
 from tokenpipe.front.grpc_gen import chat_pb2_grpc as pb_grpc
 
@@ -227,10 +228,15 @@ async def test_log_lines_of_a_grpc_request_carry_its_upstream_request_id(
             # A 429 makes the limiter log that it pauses the upstream, inside the request.
             await s.outbox.put(_request("limited", "[[sim fault=status:429]]"))
             await s.wait(lambda: s.finished("limited"))
-        lines = g.output().splitlines()
-    records = [orjson.loads(line) for line in lines if line.startswith("{")]
-    paused = [r for r in records if "answered 429" in r["message"]]
-    assert paused, lines
+
+            # The gateway writes its log lines from a thread of their own: the line may come
+            # after the answer (waited for, bounded).
+            async def paused_lines() -> list[dict[str, Any]]:
+                lines = g.output().splitlines()
+                records = [orjson.loads(line) for line in lines if line.startswith("{")]
+                return [r for r in records if "answered 429" in r["message"]]
+
+            paused = await until(paused_lines, 10, "the limiter's log line of the 429")
     async with (
         aiohttp.ClientSession() as http,
         http.get(sim.url + "/sim/stats?last=1000") as r,
