@@ -16,7 +16,7 @@ from tokenpipe import sse
 from tokenpipe.control import cost
 from tokenpipe.dialects import Piece
 from tokenpipe.dialects.openai_schema import parse as parse_request
-from tokenpipe.dialects.responses import TEXT_DELTA, ResponsesDialect
+from tokenpipe.dialects.responses import TEXT_DELTA, ResponsesDialect, encode_event
 from tokenpipe.dialects.responses_chat import ResponsesViaChat
 from tokenpipe.dialects.responses_output import HELD_MAX_BYTES, ITEM_BYTES, OutputItem
 from tokenpipe.dialects.responses_request import ResponsesRequest, to_chat
@@ -522,3 +522,32 @@ def test_native_events_pass_on_as_read_and_an_empty_name_is_left_out() -> None:
         assert b"".join(p.event() for p in relayed(reads)) == b"".join(
             b"data: " + d + b"\n\n" for d in datas
         )
+
+
+def test_a_translated_text_delta_is_the_bytes_its_events_dict_serialises_to() -> None:
+    """`_Translation._text` writes a text delta's event from bytes it keeps (the head, the
+    text as JSON): the same bytes as the event's dict through `encode_event`, escapes,
+    non-ASCII and numbers past one digit included; and a merged run is still one event
+    carrying every text in order."""
+    d = ResponsesViaChat(REQUEST)
+    texts = ["Hel", 'lo "q"', "\\\n\t\x01", "é😀", *(f" {i}" for i in range(12))]
+    pieces = _read(d, [_chunk({"content": t}) for t in texts])
+    deltas = []
+    for piece in pieces:
+        assert piece is not None and piece.raw is not None
+        last = piece.raw[piece.raw.rfind(b"event: ") :]
+        obj = orjson.loads(last[last.find(b"data: ") + 6 :])
+        assert obj["type"] == TEXT_DELTA
+        assert list(obj) == [
+            "type", "item_id", "output_index", "content_index", "delta", "logprobs",
+            "sequence_number",
+        ]  # fmt: skip
+        assert last == encode_event(obj)
+        deltas.append(obj["delta"])
+    assert deltas == texts
+    head = pieces[1]
+    assert head is not None and not pieces[0].mergeable()  # type: ignore[union-attr]
+    for p in pieces[2:]:
+        assert p is not None and head.join(p)
+    merged = orjson.loads(head.event().split(b"data: ", 1)[1])
+    assert merged["delta"] == "".join(texts[1:]) and merged["sequence_number"] == 5

@@ -75,13 +75,17 @@ class OutputItem:
 
     def extend(self, delta: str) -> int:
         """Appends `delta`; returns the bytes it added."""
+        return len(self.extend_quoted(delta)) - 2
+
+    def extend_quoted(self, delta: str) -> bytes:
+        """Appends `delta`; returns it as a JSON string (its event writes the same bytes)."""
         buf = self._json
         if not isinstance(buf, bytearray):  # set whole (`text`)
             buf = self._json = bytearray(buf)
         quoted = orjson.dumps(delta)
         del buf[-1]  # the closing quote: the delta's own ends the string again
         buf += quoted[1:]
-        return len(quoted) - 2
+        return quoted
 
     def size(self) -> int:
         """The bytes it holds: its JSON text, its name, its call id and ITEM_BYTES."""
@@ -130,32 +134,12 @@ class OutputItem:
         }
 
 
-def response_object(
-    request: dict[str, Any],
-    response_id: str,
-    created: int,
-    status: str,
-    output: list[dict[str, Any]],
-    usage: dict[str, Any] | None = None,
-    model: str | None = None,
-    finish: str | None = None,
-) -> dict[str, Any]:
-    """The Response object in the state `status`, echoing the Responses `request` (checked
-    by the translation already)."""
+def request_echo(request: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a Response after its output, each an echo of the Responses `request`
+    (checked by the translation already): the same in every Response object of a stream,
+    so made once a request (a stream writes two: its start's and its end's)."""
     req = request
-    reason = INCOMPLETE.get(finish or "")
-    obj: dict[str, Any] = {
-        "id": response_id,
-        "object": "response",
-        "created_at": created,
-        "status": status,
-        "completed_at": int(time.time()) if status == "completed" else None,
-        "error": None,
-        "incomplete_details": {"reason": reason} if status == "incomplete" else None,
-        "instructions": req.get("instructions"),
-        "max_output_tokens": req.get("max_output_tokens"),
-        "model": model or req.get("model"),
-        "output": output,
+    echo: dict[str, Any] = {
         "parallel_tool_calls": req.get("parallel_tool_calls") is not False,
         "previous_response_id": None,
         "reasoning": {
@@ -172,7 +156,39 @@ def response_object(
         "metadata": req.get("metadata") or {},
     }
     if req.get("user") is not None:  # (the spec has no null user)
-        obj["user"] = req["user"]
+        echo["user"] = req["user"]
+    return echo
+
+
+def response_object(
+    request: dict[str, Any],
+    echo: dict[str, Any],
+    response_id: str,
+    created: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    model: str | None = None,
+    finish: str | None = None,
+) -> dict[str, Any]:
+    """The Response object in the state `status`, echoing the Responses `request` (its
+    `request_echo`, and two fields more)."""
+    obj: dict[str, Any] = {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "error": None,
+        "incomplete_details": (
+            {"reason": INCOMPLETE.get(finish or "")} if status == "incomplete" else None
+        ),
+        "instructions": request.get("instructions"),
+        "max_output_tokens": request.get("max_output_tokens"),
+        "model": model or request.get("model"),
+        "output": output,
+        **echo,
+    }
     if usage is not None:
         obj["usage"] = usage
     return obj
