@@ -306,3 +306,30 @@ def test_hostile_usage_counts_are_read_as_absent_not_crashed_on() -> None:
     _, tally = _read([b"".join(stream)])
     assert tally.usage is not None and tally.usage["prompt_tokens"] == 0
     assert tally.usage["completion_tokens"] == 0
+
+
+def test_a_text_chunk_is_the_bytes_its_dict_serialises_to_for_each_message() -> None:
+    """A text delta's chunk is written from head bytes made at the message's first (the
+    dialect's `_text_head`) and the text's JSON: the bytes the chunk's dict serialises to,
+    escapes and non-ASCII included, in the keys' order the SDKs see elsewhere; a second
+    `message_start` (another id and model) makes the head again."""
+    d = ChatViaMessages({"model": "m", "messages": []}).for_stream()
+    texts = ['a "q"', "\\\n\t\x01", "é😀"]
+    seen = []
+    for msg_id, model in (("msg_1", "claude-x"), ("msg_2", 'claude-"y"')):
+        start = {"type": "message_start", "message": {"id": msg_id, "model": model}}
+        d.read(orjson.dumps(start), "message_start", None, True)
+        for text in texts:
+            delta = {"type": "content_block_delta", "index": 0}
+            data = orjson.dumps({**delta, "delta": {"type": "text_delta", "text": text}})
+            piece = d.read(data, "content_block_delta", None, True)
+            assert piece is not None and piece.raw is not None and piece.may_merge
+            obj = orjson.loads(piece.raw[6:])
+            assert piece.raw == b"data: " + orjson.dumps(obj) + b"\n\n"
+            assert list(obj) == ["id", "object", "created", "model", "choices"]
+            assert list(obj["choices"][0]) == ["index", "delta", "logprobs", "finish_reason"]
+            ChatCompletionChunk.model_validate(obj)
+            seen.append((obj["id"], obj["model"], obj["choices"][0]["delta"]["content"]))
+    assert seen == [("chatcmpl-msg_1", "claude-x", t) for t in texts] + [
+        ("chatcmpl-msg_2", 'claude-"y"', t) for t in texts
+    ]

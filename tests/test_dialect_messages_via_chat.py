@@ -267,3 +267,33 @@ def test_a_whole_chat_completion_becomes_a_message_and_errors_take_anthropics_sh
     assert event.startswith(b"event: error\n")
     shape = ErrorResponse.model_validate_json(event.split(b"\ndata: ", 1)[1])
     assert shape.error.type == "timeout_error" and shape.error.message == "too slow"
+
+
+def test_a_text_delta_is_the_bytes_its_events_dict_serialises_to() -> None:
+    """Text deltas are written from a block's head bytes and the text's JSON
+    (messages_via_chat._text_head): the same bytes as the event's dict through orjson, for
+    the blocks whose heads are made once (below 16) and those made on the spot, escapes and
+    non-ASCII included; each token of a block that goes on is its own event, free to merge."""
+    texts = ['a "q"', "\\\n\t\x01", "é😀", "z"]
+    calls = [
+        {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": "f"}}
+        for i in range(16)
+    ]  # blocks 1-16 after the first text's: the next text opens block 17 (a head made then)
+    d = MessagesViaChat({"model": "m", "max_tokens": 5, "messages": []}).for_stream()
+    seen: list[tuple[int, str]] = []
+    for round_ in range(2):
+        if round_:
+            assert d.read(_chunk({"tool_calls": calls})[6:-2], None, None, True) is not None
+        for n, text in enumerate(texts):
+            piece = d.read(_chunk({"content": text})[6:-2], None, None, True)
+            assert piece is not None and piece.raw is not None
+            assert piece.may_merge == (n > 0)
+            last = piece.raw[piece.raw.rfind(b"event: ") :]
+            obj = orjson.loads(last[last.index(b"data: ") + 6 :])
+            assert last == b"event: content_block_delta\ndata: " + orjson.dumps(obj) + b"\n\n"
+            assert list(obj) == ["type", "index", "delta"] and list(obj["delta"]) == [
+                "type",
+                "text",
+            ]
+            seen.append((obj["index"], obj["delta"]["text"]))
+    assert seen == [(0, t) for t in texts] + [(17, t) for t in texts]

@@ -186,10 +186,16 @@ class MessagesViaChat(Dialect):
             count += 1
         content = delta.get("content")
         if isinstance(content, str) and content:
-            opened = self._open("text", {"type": "text", "text": ""})
-            lone = not (opened or any(out))  # (at most 3 parts so far)
-            out.append(opened)
-            out.append(self._delta({"type": "text_delta", "text": content}))
+            open_ = self.block
+            if open_ is None or open_[0] != "text":
+                out.append(self._open("text", {"type": "text", "text": ""}))
+                open_ = self.block
+                assert open_ is not None
+            else:  # the text block goes on: the usual token
+                lone = not any(out)  # (at most 3 parts so far)
+            index = open_[1]  # (the translation's own count: not negative)
+            head = _TEXT_HEADS[index] if index < 16 else _text_head(index)
+            out.append(head + orjson.dumps(content) + b"}}\n\n")
             count += 1
             text = content
         for call in delta.get("tool_calls") or ():
@@ -217,13 +223,14 @@ class MessagesViaChat(Dialect):
             lone = False
         if not count:
             return None
-        piece = Piece(b"".join(out), [text] + [""] * (count - 1))
-        if lone:
+        if lone:  # one text delta and nothing else (`out`: the head, b"", and the delta)
+            piece = Piece(out[-1], [text])
             assert self.block is not None
-            index = self.block[1]  # (the translation's own count: not negative)
+            index = self.block[1]
             kind = TEXT_KINDS[index] if index < 16 else f"text:{index}"
             piece.may_merge, piece.kind, piece.dialect = True, kind, self
-        return piece
+            return piece
+        return Piece(b"".join(out), [text] + [""] * (count - 1))
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         """A content_block_delta event (written out, not by `_event`: one a token)."""
@@ -286,6 +293,17 @@ class MessagesViaChat(Dialect):
     def error_event(self, error: GatewayError) -> bytes:
         return _event("error", {"error": anthropic_error(error.status, error.message)["error"]})
 
+
+def _text_head(index: int) -> bytes:
+    """A text delta's event up to its text: the bytes orjson writes for the event's dict
+    (`_delta`'s, tested), in its keys' order, the text and `}}` to follow."""
+    return DELTA_EVENT + b'{"type":"content_block_delta","index":%d,' % index + _TEXT_DELTA
+
+
+_TEXT_DELTA = b'"delta":{"type":"text_delta","text":'
+#: The usual blocks' heads, made once (a token's dicts built and serialised cost ~0.8 us of
+#: its ~3 us; the head and the text's JSON joined, ~0.2).
+_TEXT_HEADS = tuple(_text_head(i) for i in range(16))
 
 _validate = msgspec.json.Decoder(msgspec.Raw).decode
 
