@@ -429,11 +429,13 @@ async def one_token_requests(
     model: str = "sim-model",
     messages: int = 0,
     api_key: str | None = None,
+    tokens: int = 1,
 ) -> Any:
     """`requests` streamed requests of 1 token each (32-token prompts, ~4.4 bytes a token;
     `api`: chat, responses or messages) to `model` (the sim serves any name) through `svc`,
     `concurrency` at a time: the request path's load. `messages`: each request a
-    `conversation` of that many turns instead of one prompt; `api_key`: sent as its key.
+    `conversation` of that many turns instead of one prompt; `api_key`: sent as its key;
+    `tokens`: each request asks for that many instead.
     Returns the load's result (its `records`). Raises when a request failed: a figure of
     refused requests (a model the upstream does not list is a 404) is not the request
     path's."""
@@ -442,7 +444,7 @@ async def one_token_requests(
         model,
         concurrency=concurrency,
         requests=requests,
-        max_tokens=1,
+        max_tokens=tokens,
         prompt_tokens=prompt_tokens,
         prompts=[conversation(messages)] if messages else None,
         api=api,

@@ -11,6 +11,7 @@ resolve, shows up here as calls removed.
     python benchmarks/calls_per_request.py --opcodes --whole   # non-streamed requests
     python benchmarks/calls_per_request.py --opcodes --messages 30 --model gpt-4o-mini  # a chat
     python benchmarks/calls_per_request.py --opcodes --path "responses via chat"  # a translation
+    python benchmarks/calls_per_request.py --opcodes --tokens 64 --itl-ms 2  # paced tokens
 
 Each gateway runs under `python -m cProfile` in front of one sim (TTFT 0, no gaps), twice:
 once for the warm-up requests alone and once for the warm-up and `--requests` more; the
@@ -81,6 +82,7 @@ async def _load(svc: Service, requests: int, args: Any) -> None:
             messages=args.messages,
             api=API_PATHS[args.path][0],
             api_key=BENCH_KEY if args.key_quotas else None,
+            tokens=args.tokens,
         )
 
 
@@ -167,7 +169,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     ops: dict[str, dict[str, float]] = {}
     limits = RATELIMIT_HEADERS_SIM if args.ratelimit_headers else ()
     models = sim_models(args.model)
-    with procs.sim("--ttft-ms", "0", "--itl-ms", "0", *limits, *models) as sim:
+    with procs.sim("--ttft-ms", "0", "--itl-ms", str(args.itl_ms), *limits, *models) as sim:
         for name, src in targets:
             print(f"  {name}: profiling", flush=True)
             warm = await _profile(sim.url, src, 0, args)
@@ -187,7 +189,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
                 entry["opcodes_per_request"] = sum(ops[name].values())
                 entry["opcodes_by_function"] = ops[name]
             result["targets"][name] = entry
-    print(f"\nPython calls per 1-token request (cProfile, {args.requests} requests)")
+    print(f"\nPython calls per {_shape(args)} (cProfile, {args.requests} requests)")
     for name, entry in result["targets"].items():
         line = f"  {name:<10} {entry['calls_per_request']:7.1f}"
         if "syscalls_per_request" in entry:
@@ -235,6 +237,13 @@ LAYERS = (
 )
 
 
+def _shape(args: Any) -> str:
+    """The measured request, as the tables name it."""
+    if args.tokens == 1:
+        return "1-token request"
+    return f"{args.tokens}-token request, {args.itl_ms:g} ms apart"
+
+
 def _layer(function: str) -> str:
     for prefix, layer in LAYERS:
         if function.startswith(prefix):
@@ -245,7 +254,7 @@ def _layer(function: str) -> str:
 def _opcode_table(ops: dict[str, dict[str, float]], args: Any) -> list[dict[str, Any]]:
     """Prints instructions per request (total, by layer, the functions with most, the most
     changed)."""
-    print(f"\nBytecode instructions per 1-token request ({args.opcode_requests} requests)")
+    print(f"\nBytecode instructions per {_shape(args)} ({args.opcode_requests} requests)")
     names = list(ops)
     by_layer: dict[str, dict[str, float]] = {n: {} for n in names}
     for n in names:
@@ -286,6 +295,14 @@ def main() -> None:
     p.add_argument("--opcode-requests", type=int, default=500, help="requests counted (slow)")
     p.add_argument("--relay", action="store_true", help="count the bare aiohttp relay too")
     p.add_argument("--whole", action="store_true", help="non-streamed requests (stream false)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=1,
+        help="tokens a request asks for (a run of 1 and one of N: a token is their difference"
+        " over N - 1)",
+    )
+    p.add_argument("--itl-ms", type=float, default=0.0, help="the sim's gap between tokens (ms)")
     add_request_shape(p)
     p.add_argument("--json", default=str(ROOT / "results" / "calls_per_request.json"))
     args = p.parse_args()
