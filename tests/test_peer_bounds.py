@@ -77,6 +77,17 @@ def test_bad_usage_counts_are_logged_once_a_minute_an_upstream(
     }
 
 
+@pytest.mark.parametrize("bad", [True, -1, usage.MAX_COUNT + 1, 1.0, "3", None, [1]])
+@pytest.mark.parametrize("field", usage.COUNTS)
+def test_a_bad_count_among_good_ones_is_dropped_and_the_rest_kept(field: str, bad: object) -> None:
+    """Every count there and good (the usual object) is kept as it came; one bad count among
+    them goes, whichever field it is, and the others stay."""
+    good = {"prompt_tokens": 0, "completion_tokens": usage.MAX_COUNT, "total_tokens": 7, "x": 1}
+    assert usage.clean(dict(good), "u") == good
+    got = usage.clean({**good, field: bad}, "u")
+    assert got == {k: v for k, v in good.items() if k != field}
+
+
 def test_an_upstreams_finish_reason_is_traced_bounded() -> None:
     """A 1 MB finish reason was 1 MB in the span (10 MB a batch of spans)."""
     span = trace.NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)

@@ -34,7 +34,26 @@ def count(value: object) -> int:
 def clean(usage: object, upstream: str = "?") -> dict[str, Any] | None:
     """`usage` with every bad count dropped; None when it is not an object or holds no count."""
     # A dict is asked for first: an ABC's isinstance costs ~700 machine instructions.
-    if (type(usage) is not dict and not isinstance(usage, Mapping)) or not usage:
+    if type(usage) is dict:
+        # The usual object, every count there and good: itself, not a copy with each field
+        # looked at in a loop (~35 bytecodes, not ~115, a request).
+        p, c, t = (
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+            usage.get("total_tokens"),
+        )
+        if (
+            type(p) is int
+            and type(c) is int
+            and type(t) is int
+            and 0 <= p <= MAX_COUNT
+            and 0 <= c <= MAX_COUNT
+            and 0 <= t <= MAX_COUNT
+        ):
+            return usage
+    elif not isinstance(usage, Mapping):
+        return None
+    if not usage:
         return None
     out = dict(usage)
     counted = False

@@ -36,7 +36,8 @@ class Piece:
     another API translates its own, since quotas and metrics count these), `finish_reason`,
     `error` (the upstream's own error event), `end` (the last event of the stream: `[DONE]`,
     an error event, or the API's own terminal event); `hidden`: it is not passed on (a usage
-    chunk the gateway asked for itself).
+    chunk the gateway asked for itself). `size`: the bytes it counts for while queued (its
+    event's and PIECE_OVERHEAD), set when it queues.
     """
 
     __slots__ = (
@@ -54,6 +55,7 @@ class Piece:
         "template",
         "usage",
     )
+    size: int  # (an annotation only: set when the piece queues)
 
     def __init__(self, raw: bytes | None, parts: list[str] | None = None) -> None:
         self.raw = raw
@@ -70,7 +72,8 @@ class Piece:
         self.end = False
         #: Carries only facts for the relay (usage), nothing for the client.
         self.hidden = False
-        self.size = (len(raw) if raw is not None else 0) + PIECE_OVERHEAD
+        # `size` (its bytes and PIECE_OVERHEAD) is set when it queues (relay/buffer.py):
+        # most pieces never do.
 
     def mergeable(self) -> bool:
         """Parses the piece the first time it is asked (only a queued piece is). May raise

@@ -261,7 +261,6 @@ class _Relayed(Dialect):
         if o.held:
             assert piece.raw is not None
             piece.raw = b"".join(o.held) + piece.raw
-            piece.size += o.held_size
             piece.may_merge, piece.kind, piece.template = False, "", None
             o.held = []
         return piece

@@ -18,6 +18,7 @@ from typing import Any
 from tokenpipe import sse
 from tokenpipe.control.flowgate import FlowGate
 from tokenpipe.dialects import Piece
+from tokenpipe.dialects.base import PIECE_OVERHEAD
 from tokenpipe.errors import GatewayError
 from tokenpipe.relay.events import HELD
 
@@ -157,9 +158,11 @@ class Accumulator:
                 HELD.queued += grow
                 self.merged += 1
                 return
+        raw = piece.raw
+        piece.size = size = (len(raw) if raw is not None else 0) + PIECE_OVERHEAD
         pending.append(piece)
-        self.size += piece.size
-        HELD.queued += piece.size
+        self.size += size
+        HELD.queued += size
         _wake(self._data)
         if self.wake is not None:
             self.wake()
