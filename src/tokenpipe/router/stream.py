@@ -43,9 +43,10 @@ async def _read_one(route: Route, parser: EventParser, acc: Accumulator) -> Gate
         if not route.raced:
             route.raced = True
             await first_content(route, parser, acc)
-        now = route.policy.clock.now
-        watch = StallWatch(now, route.read_deadline, route.gap, acc.task)
-        await read_body(route.uresp, parser, acc, watch)
+        if not parser.ended:  # (a short answer may have ended with its first read)
+            now = route.policy.clock.now
+            watch = StallWatch(now, route.read_deadline, route.gap, acc.task)
+            await read_body(route.uresp, parser, acc, watch)
         if not parser.ended:
             route.span.mark("cut")
             return GatewayError(
