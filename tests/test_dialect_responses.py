@@ -365,6 +365,31 @@ def test_what_chat_cannot_express_is_refused_by_name(extra: dict[str, Any], para
     assert e.value.status == 400 and e.value.param == param
 
 
+def test_an_unknown_field_is_named_before_one_chat_cannot_carry_and_those_copied_arrive() -> None:
+    """The translation reads the client's fields in one pass: an unknown one is refused
+    whatever comes before it; of the fields set that chat cannot carry, the first is named;
+    the fields chat has under the same name arrive, null ones left out."""
+    for obj in (
+        {"previous_response_id": "r", "background": True, "bogus": 1},
+        {"bogus": 1, "previous_response_id": "r"},
+    ):
+        with pytest.raises(GatewayError) as e:
+            to_chat({"model": "m", "input": "hi", **obj})
+        assert e.value.code == "unknown_parameter" and e.value.param == "bogus"
+    with pytest.raises(GatewayError) as e:
+        to_chat({"model": "m", "input": "hi", "include": [], "background": True, "prompt": {}})
+    assert e.value.code == "unsupported_parameter" and e.value.param == "background"
+    chat = to_chat(
+        {"top_p": 0.5, "model": "m", "input": "hi", "user": None, "include": [], "stream": True}
+    )
+    assert chat == {
+        "top_p": 0.5,
+        "model": "m",
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+
+
 def test_embeddings_cost_their_input_only_and_responses_their_input_and_output() -> None:
     emb = cost.of_request({"model": "m", "input": ["a b c", "d"]}, 256, output=False)
     assert (emb.tokens, emb.output_param) == (4, "input")

@@ -93,6 +93,8 @@ _ONLY_UNSET = (
     "prompt_cache_options",
 )
 _KNOWN = frozenset(_SAME + _TRANSLATED + _ONLY_UNSET)
+_SAME_SET = frozenset(_SAME)
+_ONLY_UNSET_SET = frozenset(_ONLY_UNSET)
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
@@ -109,20 +111,28 @@ def _refuse(param: str, why: str) -> GatewayError:
 def to_chat(obj: dict[str, Any]) -> dict[str, Any]:
     """The chat completion request for the Responses request `obj` (validated already as a
     ResponsesRequest). Raises a 400 GatewayError naming the first field it cannot carry."""
-    for key in obj:
-        if key not in _KNOWN:
+    # One pass over the client's fields, not one over each list of names (~140 bytecodes
+    # a request, not ~400): an unknown field is refused first, then the first set that chat
+    # cannot carry.
+    chat: dict[str, Any] = {}
+    refused = None
+    for key, value in obj.items():
+        if key in _SAME_SET:
+            if value is not None:
+                chat[key] = value
+        elif key not in _KNOWN:
             name = key[:64]  # the client's own key, echoed: it may be megabytes long
             raise GatewayError(
                 400, f"Unknown parameter: '{name}'.", code="unknown_parameter", param=name
             )
-    for key in _ONLY_UNSET:
-        if obj.get(key) not in (None, False, []):
-            raise _refuse(key, "is not supported")
+        elif refused is None and key in _ONLY_UNSET_SET and value not in (None, False, []):
+            refused = key
+    if refused is not None:
+        raise _refuse(refused, "is not supported")
     if obj.get("store"):
         raise _refuse("store", "is not supported (the gateway stores no responses)")
     if obj.get("truncation") not in (None, "auto", "disabled"):
         raise GatewayError(400, "'truncation' must be 'auto' or 'disabled'.", param="truncation")
-    chat: dict[str, Any] = {k: obj[k] for k in _SAME if obj.get(k) is not None}
     messages: list[dict[str, Any]] = []
     if obj.get("instructions"):
         messages.append({"role": "system", "content": obj["instructions"]})
