@@ -576,3 +576,13 @@ def test_a_translated_text_delta_is_the_bytes_its_events_dict_serialises_to() ->
         assert p is not None and head.join(p)
     merged = orjson.loads(head.event().split(b"data: ", 1)[1])
     assert merged["delta"] == "".join(texts[1:]) and merged["sequence_number"] == 5
+    # After reasoning, the message is the second item: its head says so.
+    d = ResponsesViaChat(REQUEST)
+    pieces = _read(
+        d, [_chunk({"reasoning_content": "hm"}), *(_chunk({"content": t}) for t in "ab")]
+    )
+    for piece, text in zip(pieces[1:], "ab", strict=True):
+        assert piece is not None and piece.raw is not None
+        last = piece.raw[piece.raw.rfind(b"event: ") :]
+        obj = orjson.loads(last[last.find(b"data: ") + 6 :])
+        assert last == encode_event(obj) and (obj["output_index"], obj["delta"]) == (1, text)
