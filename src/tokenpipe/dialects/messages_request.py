@@ -29,6 +29,8 @@ UNSUPPORTED = (
     "prediction",
 )
 
+_UNSUPPORTED = frozenset(UNSUPPORTED)
+
 
 #: Chat's string tool choices as Anthropic's.
 _CHOICE = {"auto": {"type": "auto"}, "none": {"type": "none"}, "required": {"type": "any"}}
@@ -112,9 +114,10 @@ def _arguments(raw: Any) -> Any:
 
 def messages_request(chat: dict[str, Any]) -> dict[str, Any]:
     """A chat completion request as a Messages request (400 for what it cannot express)."""
-    for field in UNSUPPORTED:
-        if chat.get(field) not in (None, False):
-            raise _bad(field, "is set")
+    if not _UNSUPPORTED.isdisjoint(chat):  # (one C call for the usual request)
+        for field in UNSUPPORTED:
+            if chat.get(field) not in (None, False):
+                raise _bad(field, "is set")
     if chat.get("n") not in (None, 1):
         raise _bad("n", "asks for more than one choice")
     fmt = chat.get("response_format")
