@@ -297,3 +297,31 @@ def test_a_text_delta_is_the_bytes_its_events_dict_serialises_to() -> None:
             ]
             seen.append((obj["index"], obj["delta"]["text"]))
     assert seen == [(0, t) for t in texts] + [(17, t) for t in texts]
+
+
+def test_chunks_of_other_shapes_while_a_text_block_is_open_take_the_general_path() -> None:
+    """The usual token has a path of its own (one text delta of the open text block); a
+    chunk of any other shape then is read as before: not crashed on, its finish, usage and
+    other deltas kept."""
+    d = MessagesViaChat({"model": "m", "max_tokens": 5, "messages": []}).for_stream()
+
+    def read(obj: dict[str, Any]) -> Any:
+        return d.read(orjson.dumps({"id": "c1", **obj}), None, None, True)
+
+    assert read({"choices": [{"delta": {"content": "a"}}]}) is not None  # opens the block
+    for odd in (["x"], [{"delta": "x"}], [{"delta": {"content": 5}}], [1, 2], "x"):
+        assert read({"choices": odd}) is None
+    done = read({"choices": [{"delta": {"content": "b"}, "finish_reason": "stop"}]})
+    assert done.finish_reason == "stop" and done.parts == ["b"]
+    counted = read({"choices": [{"delta": {"content": "c"}}], "usage": {"prompt_tokens": 1}})
+    assert counted.usage == {"prompt_tokens": 1} and counted.parts == ["c"]
+    thought = read({"choices": [{"delta": {"content": "d", "reasoning_content": "r"}}]})
+    events = _events([thought])
+    assert [e["type"] for e in events] == [
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+    ]

@@ -45,6 +45,7 @@ def _chunk(delta: Any, finish: Any = None) -> dict[str, Any]:
 CHAT_STREAM: list[dict[str, Any]] = [
     _chunk({"role": "assistant", "content": ""}),
     _chunk({"content": "a"}),
+    _chunk({"content": "b"}),  # a text block that goes on (a translation's usual token)
     _chunk({"tool_calls": [_TOOL]}),
     _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}),
     _chunk({}, "tool_calls"),
