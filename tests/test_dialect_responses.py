@@ -586,3 +586,32 @@ def test_a_translated_text_delta_is_the_bytes_its_events_dict_serialises_to() ->
         last = piece.raw[piece.raw.rfind(b"event: ") :]
         obj = orjson.loads(last[last.find(b"data: ") + 6 :])
         assert last == encode_event(obj) and (obj["output_index"], obj["delta"]) == (1, text)
+
+
+def test_chunks_of_other_shapes_while_the_message_is_open_take_the_general_path() -> None:
+    """The usual token has a path of its own (one text delta while the message is open);
+    a chunk of any other shape then is read as before: not crashed on, its finish, usage
+    and other deltas kept, and the stream still valid."""
+    d = ResponsesViaChat(REQUEST)
+    reader = d.for_stream()
+
+    def read(obj: dict[str, Any]) -> Piece | None:
+        piece: Piece | None = reader.read(
+            orjson.dumps({"id": "c1", "model": "m", **obj}), None, None, True
+        )
+        return piece
+
+    pieces = [read({"choices": [{"delta": {"content": "a"}}]})]  # opens the message
+    for odd in (["x"], [{"delta": "x"}], [{"delta": {"content": 5}}], [1, 2], "x"):
+        assert read({"choices": odd}) is None
+    counted = read({"choices": [{"delta": {"content": "b"}}], "usage": {"prompt_tokens": 1}})
+    assert counted is not None and counted.usage == {"prompt_tokens": 1}
+    thought = read({"choices": [{"delta": {"content": "c", "reasoning_content": "r"}}]})
+    assert thought is not None and not thought.mergeable()
+    done = read({"choices": [{"delta": {"content": "d"}, "finish_reason": "length"}]})
+    assert done is not None and done.finish_reason == "length"
+    pieces += [counted, thought, done, reader.read(b"[DONE]", None, None, True)]
+    events = parse(_bytes(pieces))
+    check_events(events)
+    assert text_of(events) == "abcd"
+    assert check_response(events[-1]["response"]).status == "incomplete"
