@@ -316,7 +316,7 @@ def test_a_text_chunk_is_the_bytes_its_dict_serialises_to_for_each_message() -> 
     d = ChatViaMessages({"model": "m", "messages": []}).for_stream()
     texts = ['a "q"', "\\\n\t\x01", "é😀"]
     seen = []
-    for msg_id, model in (("msg_1", "claude-x"), ("msg_2", 'claude-"y"')):
+    for msg_id, model in (("msg_1", "claude-x"), ("msg_2", 'c-"content":"y"')):
         start = {"type": "message_start", "message": {"id": msg_id, "model": model}}
         d.read(orjson.dumps(start), "message_start", None, True)
         for text in texts:
@@ -331,5 +331,5 @@ def test_a_text_chunk_is_the_bytes_its_dict_serialises_to_for_each_message() -> 
             ChatCompletionChunk.model_validate(obj)
             seen.append((obj["id"], obj["model"], obj["choices"][0]["delta"]["content"]))
     assert seen == [("chatcmpl-msg_1", "claude-x", t) for t in texts] + [
-        ("chatcmpl-msg_2", 'claude-"y"', t) for t in texts
+        ("chatcmpl-msg_2", 'c-"content":"y"', t) for t in texts
     ]

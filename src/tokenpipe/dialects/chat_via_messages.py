@@ -190,7 +190,7 @@ class ChatViaMessages(Dialect):
         text's JSON and _TEXT_TAIL to follow (its dicts built and serialised were ~0.6 us of
         a token's ~1.9)."""
         head = self._chunk({"content": ""})
-        return head[: head.index(b'"content":') + 10]
+        return head[: head.rindex(b'"content":') + 10]  # (the last key: after it, "")
 
     def read(
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
