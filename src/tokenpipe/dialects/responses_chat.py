@@ -136,7 +136,7 @@ class _Translation(Dialect):
         self, data: bytes, event: str | None, raw: bytes | None, strip_usage: bool
     ) -> Piece | None:
         seq = self.seq
-        try:  # (one function, not two: a frame fewer a token)
+        try:
             if data == sse.DONE:
                 return self._end()
             obj = read_chunk(data)
@@ -166,65 +166,70 @@ class _Translation(Dialect):
                     piece = Piece(self._delta(message, text), [text])
                     piece.may_merge, piece.kind, piece.dialect = True, "text", self
                     return piece
-            if self.model is None and isinstance(obj.get("model"), str):
-                self.model = obj["model"]
-            usage = obj.get("usage")
-            usage = usage if isinstance(usage, dict) and usage else None
-            if usage is not None:
-                self.usage = usage
-            out: list[bytes] = []
-            if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
-                error = obj.get("error")
-                if isinstance(error, dict):  # the upstream's own error event ends the stream
-                    self.add(out, _error_event(error))
-                    piece = Piece(b"".join(out))
-                    piece.error, piece.end, piece.usage = error, True, usage
-                    return piece
-                return _facts(usage)
-            choice = choices[0]
-            delta = choice.get("delta")
-            delta = delta if isinstance(delta, dict) else {}
-            merges = False
-            texts: list[str] = []
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if isinstance(reasoning, str) and reasoning:
-                self._reasoning(out, reasoning)
-                texts.append("")
-            content = delta.get("content")
-            if isinstance(content, str) and content:
-                # A plain delta (its event alone in the piece) merges with its neighbours.
-                merges = not out
-                self._text(out, content)
-                texts.append(content)
-                merges = merges and len(out) == 1
-            calls = delta.get("tool_calls")
-            if isinstance(calls, list) and calls:
-                for n, call in enumerate(calls):
-                    if isinstance(call, dict):
-                        self._call(out, call, n)
-                texts.append("")
-                merges = False
-            finish = choice.get("finish_reason")
-            if isinstance(finish, str) and finish:
-                self.finish = finish
-                self._close(out)
-                merges = False
-            if not out:
-                return _facts(usage)
-            if merges:  # (parsed into its template only if it does merge: `template`)
-                piece = Piece(out[0], texts)
-                piece.may_merge, piece.kind, piece.dialect = True, "text", self
-            else:
-                piece = Piece(b"".join(out), ["".join(texts)] if texts else None)
-            piece.usage = usage
-            if finish:
-                piece.finish_reason = finish
-            return piece
+            return self._general(obj, choices)
         except Exception:
             # The events of this read are not sent: the error event the relay writes next
             # takes the number after the last one the client got.
             self.seq = seq
             raise
+
+    def _general(self, obj: dict[str, Any], choices: Any) -> Piece | None:
+        """A chunk of any other shape than the usual (`read`): the events of each of its
+        parts, its usage and finish."""
+        if self.model is None and isinstance(obj.get("model"), str):
+            self.model = obj["model"]
+        usage = obj.get("usage")
+        usage = usage if isinstance(usage, dict) and usage else None
+        if usage is not None:
+            self.usage = usage
+        out: list[bytes] = []
+        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+            error = obj.get("error")
+            if isinstance(error, dict):  # the upstream's own error event ends the stream
+                self.add(out, _error_event(error))
+                piece = Piece(b"".join(out))
+                piece.error, piece.end, piece.usage = error, True, usage
+                return piece
+            return _facts(usage)
+        choice = choices[0]
+        delta = choice.get("delta")
+        delta = delta if isinstance(delta, dict) else {}
+        merges = False
+        texts: list[str] = []
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            self._reasoning(out, reasoning)
+            texts.append("")
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            # A plain delta (its event alone in the piece) merges with its neighbours.
+            merges = not out
+            self._text(out, content)
+            texts.append(content)
+            merges = merges and len(out) == 1
+        calls = delta.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            for n, call in enumerate(calls):
+                if isinstance(call, dict):
+                    self._call(out, call, n)
+            texts.append("")
+            merges = False
+        finish = choice.get("finish_reason")
+        if isinstance(finish, str) and finish:
+            self.finish = finish
+            self._close(out)
+            merges = False
+        if not out:
+            return _facts(usage)
+        if merges:  # (parsed into its template only if it does merge: `template`)
+            piece = Piece(out[0], texts)
+            piece.may_merge, piece.kind, piece.dialect = True, "text", self
+        else:
+            piece = Piece(b"".join(out), ["".join(texts)] if texts else None)
+        piece.usage = usage
+        if finish:
+            piece.finish_reason = finish
+        return piece
 
     def template(self, raw: bytes) -> tuple[Any, str] | None:
         """A text delta event this translation wrote (`_text`), parsed for merging."""
