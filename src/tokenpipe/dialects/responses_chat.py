@@ -33,6 +33,7 @@ from tokenpipe.dialects.responses_output import (
     HELD_MAX_BYTES,
     INCOMPLETE,
     OutputItem,
+    error_event_of,
     output_of,
     request_echo,
     response_object,
@@ -186,7 +187,7 @@ class _Translation(Dialect):
         if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
             error = obj.get("error")
             if isinstance(error, dict):  # the upstream's own error event ends the stream
-                self.add(out, _error_event(error))
+                self.add(out, error_event_of(error))
                 piece = Piece(b"".join(out))
                 piece.error, piece.end, piece.usage = error, True, usage
                 return piece
@@ -381,16 +382,6 @@ _TEXT_DELTA_HEAD = (
     b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":'
 )
 _TEXT_DELTA_SEQ = b',"logprobs":[],"sequence_number":'
-
-
-def _error_event(error: dict[str, Any]) -> dict[str, Any]:
-    code = error.get("code")
-    return {
-        "type": "error",
-        "code": code if isinstance(code, str) else error.get("type"),
-        "message": str(error.get("message") or "upstream error"),
-        "param": error.get("param") if isinstance(error.get("param"), str) else None,
-    }
 
 
 def _facts(usage: dict[str, Any] | None) -> Piece | None:

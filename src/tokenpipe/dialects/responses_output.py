@@ -232,3 +232,14 @@ def echo_tool(tool: Any) -> Any:
     if isinstance(tool, dict) and tool.get("type") == "function":
         return {"strict": None, "parameters": None, **tool}
     return tool
+
+
+def error_event_of(error: dict[str, Any]) -> dict[str, Any]:
+    """A chat upstream's error object as a Responses `error` event (its number to come)."""
+    code = error.get("code")
+    return {
+        "type": "error",
+        "code": code if isinstance(code, str) else error.get("type"),
+        "message": str(error.get("message") or "upstream error"),
+        "param": error.get("param") if isinstance(error.get("param"), str) else None,
+    }
