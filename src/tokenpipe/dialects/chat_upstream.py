@@ -94,6 +94,25 @@ def read_chunk(data: bytes) -> dict[str, Any]:
     return obj
 
 
+def lone_text(obj: dict[str, Any]) -> str | None:
+    """The text of a chunk read by `read_chunk` that is one text delta and nothing else (no
+    usage, error, finish, role-only, reasoning or tool call: what a token's chunk is); None
+    for any other shape. A translation writes such a chunk's event on a short path of its own.
+    The decoded chunk holds only the fields read (a delta's role is not one of them), so a
+    delta of one key is the content alone; a `lenient` read's may hold anything."""
+    choices = obj.get("choices")
+    if type(choices) is not list or len(choices) != 1:
+        return None
+    if obj.get("usage") is not None or obj.get("error") is not None:
+        return None
+    first = choices[0]
+    delta = first.get("delta") if type(first) is dict else None
+    if type(delta) is not dict or len(delta) != 1 or first.get("finish_reason") is not None:
+        return None
+    text = delta.get("content")
+    return text if type(text) is str and text else None
+
+
 def read_completion(body: bytes) -> dict[str, Any] | None:
     """A chat completion's fields the translations read (`usage` as an object or None);
     None when it is not JSON (see event_json.answer)."""

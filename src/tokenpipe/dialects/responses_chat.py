@@ -26,7 +26,7 @@ import orjson
 
 from tokenpipe import request_ids, sse
 from tokenpipe.dialects.base import Dialect, Piece
-from tokenpipe.dialects.chat_upstream import read_chunk, read_completion
+from tokenpipe.dialects.chat_upstream import lone_text, read_chunk, read_completion
 from tokenpipe.dialects.openai import CHAT, ChatDialect
 from tokenpipe.dialects.responses import encode_event, error_payload, render_text_delta
 from tokenpipe.dialects.responses_output import (
@@ -141,42 +141,29 @@ class _Translation(Dialect):
             if data == sse.DONE:
                 return self._end()
             obj = read_chunk(data)
-            choices = obj.get("choices")
-            # The usual chunk: one text delta while the message is open, nothing else (the
-            # decoded chunk holds only the fields read, chat_upstream.py). Its event at once,
+            # The usual chunk, one text delta while the message is open: its event at once,
             # without the general path's tests (~0.4 us of a token's ~2.6).
             message = self.message
             if (
                 message is not None
                 and not self.closed
                 and self.model is not None
-                and type(choices) is list
-                and len(choices) == 1
-                and obj.get("usage") is None
-                and obj.get("error") is None
+                and (text := lone_text(obj)) is not None
             ):
-                first = choices[0]
-                only = first.get("delta") if type(first) is dict else None  # (lenient: any)
-                if (
-                    type(only) is dict
-                    and len(only) == 1
-                    and type(text := only.get("content")) is str
-                    and text
-                    and first.get("finish_reason") is None
-                ):
-                    piece = Piece(self._delta(message, text), [text])
-                    piece.may_merge, piece.kind, piece.dialect = True, "text", self
-                    return piece
-            return self._general(obj, choices)
+                piece = Piece(self._delta(message, text), [text])
+                piece.may_merge, piece.kind, piece.dialect = True, "text", self
+                return piece
+            return self._general(obj)
         except Exception:
             # The events of this read are not sent: the error event the relay writes next
             # takes the number after the last one the client got.
             self.seq = seq
             raise
 
-    def _general(self, obj: dict[str, Any], choices: Any) -> Piece | None:
+    def _general(self, obj: dict[str, Any]) -> Piece | None:
         """A chunk of any other shape than the usual (`read`): the events of each of its
         parts, its usage and finish."""
+        choices = obj.get("choices")
         if self.model is None and isinstance(obj.get("model"), str):
             self.model = obj["model"]
         usage = obj.get("usage")
